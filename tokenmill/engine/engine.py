@@ -1,0 +1,251 @@
+"""The synchronous engine: requests in, one scheduling step at a time, token deltas out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.errors import ConfigError, InvalidRequestError
+from tokenmill.layers.sampler import SamplerOutput
+from tokenmill.models.loader import load_hf_config, load_tokenizer, resolve_model
+from tokenmill.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found
+    num_preemptions: int
+    num_prompt_tokens: int  # tokens computed for prompts (cache hits excluded)
+    num_generation_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        config = config or EngineConfig()
+        self.source = resolve_model(config.model.model)
+        hf_config = load_hf_config(self.source)
+        config = config.finalize(hf_config.max_position_embeddings)
+        _check_sliding_window(hf_config, config.model.max_model_len)
+        self.hf_config = hf_config
+        self.tokenizer = load_tokenizer(self.source)
+        self.model_name = config.model.model or self.source.name
+        torch.manual_seed(config.model.seed)
+        self.runner = ModelRunner(config, hf_config, self.source)
+        self.config = config.with_num_blocks(self.runner.num_blocks)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._arrivals = itertools.count()
+        self._computed_prompt_tokens = 0
+        self._generated_tokens = 0
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if params.n != 1:
+            raise InvalidRequestError("the engine runs one sequence per request: fan out with params.for_child(i)")
+        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+            raise InvalidRequestError(f"logprobs may be at most {MAX_LOGPROBS}, got {params.logprobs}")
+        text, token_ids = self._tokenize(prompt)
+        max_len = self.config.model.max_model_len
+        if len(token_ids) >= max_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens but the context is {max_len} tokens "
+                "(max_model_len), which must leave room for at least one generated token"
+            )
+        room = max_len - len(token_ids)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidRequestError(
+                f"max_tokens {params.max_tokens} plus the prompt's {len(token_ids)} tokens exceeds the "
+                f"context of {max_len} tokens; ask for at most {room}"
+            )
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            params=params,
+            eos_token_ids=self.eos_token_ids,
+            max_tokens=params.max_tokens or room,
+            prompt=text,
+            priority=priority,
+            cache_salt=cache_salt,
+            arrival_index=next(self._arrivals),
+        )
+        if params.seed is not None:
+            request.generator = self.runner.make_generator(params.seed)
+        if self.tokenizer is not None:
+            self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty")
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: pass the prompt as token ids")
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        token_ids = [int(t) for t in prompt]
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.hf_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return None, token_ids
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.scheduler.abort(request)
+            self.detokenizers.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            return []
+        sampling = [r for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens + n == r.num_tokens]
+        tables = [self.kv.block_tables[r.request_id] for r in batch.requests]
+        for request, n in zip(batch.requests, batch.num_new_tokens):
+            self._computed_prompt_tokens += max(0, min(request.num_computed_tokens + n, len(request.prompt_token_ids)) - request.num_computed_tokens)
+        sampled = self.runner.execute(batch, tables, sampling)
+        self.scheduler.finish_step(batch)
+        if sampled is None:
+            return []
+        return self._append_tokens(sampling, sampled)
+
+    def _append_tokens(self, requests: list[Request], sampled: SamplerOutput) -> list[RequestOutput]:
+        token_ids = sampled.sampled_token_ids.tolist()
+        logprob_rows = _logprob_rows(sampled, requests)
+        outputs = []
+        for request, token_id, logprobs in zip(requests, token_ids, logprob_rows):
+            request.output_token_ids.append(token_id)
+            self._generated_tokens += 1
+            if logprobs is not None:
+                request.output_logprobs.append(logprobs)
+            request.check_stop_token()
+            text = ""
+            detokenizer = self.detokenizers.get(request.request_id)
+            if detokenizer is not None:
+                text = detokenizer.append([token_id])
+                if detokenizer.stop_reason is not None and not request.is_finished:
+                    request.finish("stop", detokenizer.stop_reason)
+                elif request.is_finished:
+                    text += detokenizer.finish()
+            outputs.append(self._delta(request, token_id, text, logprobs))
+            if request.is_finished:
+                self.scheduler.release(request)
+                del self.requests[request.request_id]
+                self.detokenizers.pop(request.request_id, None)
+        return outputs
+
+    def _delta(self, request: Request, token_id: int, text: str, logprobs: TokenLogprobs | None) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=[token_id],
+            logprobs=None if logprobs is None else [logprobs],
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=request.is_finished,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def stats(self) -> EngineStats:
+        counters = self.kv.counters
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.kv.pool.num_used,
+            kv_blocks_total=self.kv.num_blocks,
+            prefix_cache_queries=counters.queried_tokens,
+            prefix_cache_hits=counters.hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens=self._computed_prompt_tokens,
+            num_generation_tokens=self._generated_tokens,
+        )
+
+    def request_status(self, request_id: str) -> RequestStatus | None:
+        request = self.requests.get(request_id)
+        return None if request is None else request.status
+
+
+def _logprob_rows(sampled: SamplerOutput, requests: list[Request]) -> list[TokenLogprobs | None]:
+    if sampled.logprobs is None:
+        return [None] * len(requests)
+    ids = sampled.logprob_token_ids.tolist()
+    values = sampled.logprobs.tolist()
+    rows: list[TokenLogprobs | None] = []
+    for request, row_ids, row_values in zip(requests, ids, values):
+        k = request.params.logprobs
+        if k is None:
+            rows.append(None)
+            continue
+        # The sampled token first, then the top-k (a dict keeps the first occurrence's place).
+        entry: TokenLogprobs = {row_ids[0]: row_values[0]}
+        for token, value in zip(row_ids[1 : 1 + k], row_values[1 : 1 + k]):
+            entry.setdefault(token, value)
+        rows.append(entry)
+    return rows
+
+
+def _eos_token_ids(hf_config, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, Iterable):
+            ids.update(int(t) for t in source)
+    return frozenset(ids)
+
+
+def _check_sliding_window(hf_config, max_model_len: int) -> None:
+    window = getattr(hf_config, "sliding_window", None)
+    enabled = getattr(hf_config, "use_sliding_window", True)
+    if window and enabled and max_model_len > window:
+        raise ConfigError(
+            f"this model uses sliding-window attention ({window} tokens), which tokenmill does not "
+            f"implement; run it with --max-model-len {window} or less"
+        )

@@ -1,0 +1,89 @@
+"""A request's state as the scheduler sees it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.outputs import TokenLogprobs
+from tokenmill.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence. The scheduling rule: `num_computed_tokens` catches up with `num_tokens`.
+
+    Invariant: num_computed_tokens <= num_tokens; a step that brings num_computed_tokens to
+    num_tokens samples one more token (which makes num_tokens grow by one).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    max_tokens: int
+    prompt: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_index: int = 0
+
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    generator: torch.Generator | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+    def check_stop_token(self) -> None:
+        """Finish on EOS, a stop token or max_tokens, after a token was appended."""
+        last = self.output_token_ids[-1]
+        n_out = len(self.output_token_ids)
+        if n_out >= self.params.min_tokens:
+            if not self.params.ignore_eos and last in self.eos_token_ids:
+                self.finish("stop", None)
+                return
+            if last in self.params.stop_token_ids:
+                self.finish("stop", last)
+                return
+        if n_out >= self.max_tokens:
+            self.finish("length")
+
+    def banned_token_ids(self) -> list[int]:
+        """Tokens that may not be sampled now: stop tokens and EOS while below min_tokens."""
+        if len(self.output_token_ids) >= self.params.min_tokens:
+            return []
+        banned = list(self.params.stop_token_ids)
+        if not self.params.ignore_eos:
+            banned.extend(self.eos_token_ids)
+        return banned

@@ -1,0 +1,59 @@
+"""The attention-backend seam: how layers read and write the paged KV cache."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch layout: requests' new tokens are packed one after another.
+
+    Request i owns query rows query_start_loc[i]:query_start_loc[i+1] (its newest tokens) and
+    attends to its first seq_lens[i] tokens, whose KV live in blocks block_tables[i]. Host
+    copies of the lengths ride along so no backend has to read them back from the device.
+    """
+
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    slot_mapping: torch.Tensor  # [T] int64: flat KV slot (block * block_size + offset) per token
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_host)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_host)
+
+
+class AttentionBackend(ABC):
+    """Owns a KV layout and computes causal GQA attention over it."""
+
+    name: str
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Write this step's k, v into the cache, then attend."""

@@ -1,0 +1,202 @@
+"""Llama-family decoder: Llama (incl. Llama-3 rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+Parameters carry Hugging Face names except two fused projections (qkv_proj, gate_up_proj);
+`load_weights` maps checkpoint names onto them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from tokenmill.errors import ModelLoadError
+from tokenmill.layers.attention import AttentionBackend, AttentionMetadata
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.rotary import RotaryEmbedding
+
+# checkpoint projection -> (fused parameter, shard index)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What sets an architecture of the family apart, beyond its config numbers."""
+
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rotary
+    qkv_bias: bool | None = None  # Qwen2: always; None = config.attention_bias
+    o_bias: bool | None = None  # Qwen2: never; None = config.attention_bias
+
+
+class Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, backend: AttentionBackend, variant: Variant) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = bias if variant.qkv_bias is None else variant.qkv_bias
+        o_bias = bias if variant.o_bias is None else variant.o_bias
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
+        self.rotary = rotary
+        self.backend = backend
+        self.scale = self.head_dim**-0.5
+        self.kv_cache = torch.empty(0)  # bound by the model runner
+
+    def shard_sizes(self) -> list[int]:
+        return [self.q_size, self.kv_size, self.kv_size]
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.shard_sizes(), dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale)
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def shard_sizes(self) -> list[int]:
+        return [self.intermediate_size, self.intermediate_size]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, backend: AttentionBackend, variant: Variant) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, rotary, backend, variant)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int, variant: Variant) -> None:
+        super().__init__()
+        rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, rotary, backend, variant) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, metadata)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also Mistral (the same graph); Qwen2 and Qwen3 differ only in their Variant."""
+
+    variant = Variant()
+
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, backend, max_positions, self.variant)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            target, offset, size = self._locate(name)
+            if target not in params:
+                raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            param = params[target]
+            dest = param.narrow(0, offset, size) if size else param
+            if dest.shape != tensor.shape:
+                raise ModelLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded.add(f"{target}:{offset}")
+        expected = {f"{n}:{o}" for n, o in self._expected_slots(params)}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _locate(self, name: str) -> tuple[str, int, int]:
+        """(model parameter, row offset, rows) for a checkpoint tensor; rows 0 = the whole parameter."""
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in _FUSED:
+                fused, shard = _FUSED[part]
+                parts[i] = fused
+                target = ".".join(parts)
+                owner = self.get_submodule(".".join(parts[:i]))
+                sizes = owner.shard_sizes()
+                return target, sum(sizes[:shard]), sizes[shard]
+        return name, 0, 0
+
+    def _expected_slots(self, params: dict[str, nn.Parameter]) -> Iterable[tuple[str, int]]:
+        for name in params:
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            if ".qkv_proj." in name or ".gate_up_proj." in name:
+                owner = self.get_submodule(name.rsplit(".", 2)[0])
+                sizes = owner.shard_sizes()
+                yield from ((name, sum(sizes[:s])) for s in range(len(sizes)))
+            else:
+                yield name, 0
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    variant = Variant(qkv_bias=True, o_bias=False)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    variant = Variant(qk_norm=True)
