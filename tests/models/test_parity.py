@@ -40,17 +40,20 @@ def capture_logits(llm: LLM) -> Iterator[list[torch.Tensor]]:
 
 
 def prefill_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
-    """Logits at every prompt position, through the engine's own batch preparation and cache."""
+    """Logits at every prompt position, chunk by chunk through the engine's batches and cache."""
     engine = llm.engine
     engine.add_request("prefill-probe", token_ids, SamplingParams(max_tokens=1))
-    batch = engine.scheduler.schedule()
-    tables = [engine.kv.block_tables[r.request_id] for r in batch.requests]
-    inputs = engine.runner.prepare_inputs(batch, tables)
-    with torch.inference_mode():
-        hidden = engine.runner.model(inputs.input_ids, inputs.positions, inputs.metadata)
-        logits = engine.runner.model.compute_logits(hidden).float().cpu()
+    request = engine.requests["prefill-probe"]
+    chunks = []
+    while request.num_computed_tokens < len(token_ids):
+        batch = engine.scheduler.schedule()
+        inputs = engine.runner.prepare_inputs(batch, [engine.kv.block_tables[r.request_id] for r in batch.requests])
+        with torch.inference_mode():
+            hidden = engine.runner.model(inputs.input_ids, inputs.positions, inputs.metadata)
+            chunks.append(engine.runner.model.compute_logits(hidden).float().cpu())
+        engine.scheduler.finish_step(batch)
     engine.abort_request("prefill-probe")
-    return logits
+    return torch.cat(chunks)
 
 
 def check_parity(llm: LLM, hf_model: torch.nn.Module, prompt: list[int], steps: int, tol: float) -> None:

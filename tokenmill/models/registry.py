@@ -15,8 +15,13 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
+# For configs without `architectures` (e.g. built from GGUF metadata).
+_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM"}
+
+
 def model_class(config: PretrainedConfig) -> type[LlamaForCausalLM]:
-    architectures = getattr(config, "architectures", None) or []
+    architectures = getattr(config, "architectures", None) or [_BY_MODEL_TYPE.get(config.model_type, "")]
     for name in architectures:
         if name in MODEL_REGISTRY:
             return MODEL_REGISTRY[name]
