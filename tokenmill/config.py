@@ -28,6 +28,9 @@ class ModelConfig:
     """Longest prompt + answer in tokens; None = the model's max_position_embeddings."""
     seed: int = 0
     """Seed of the global sampling RNG (requests with their own seed do not depend on it)."""
+    load_format: str = "auto"
+    """auto = read the checkpoint's weights; dummy = random weights of the checkpoint's shapes
+    (seeded), for benchmarks where only config.json exists."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -44,6 +47,10 @@ class CacheConfig:
     """Share of total GPU memory tokenmill may use when kv_cache_bytes is not given."""
     enable_prefix_caching: bool = True
     """Reuse the KV of full blocks already computed for the same tokens (and cache_salt)."""
+    kv_cache_dtype: str = AUTO
+    """auto = the model dtype; fp8 = FP8 E4M3 with per-layer scales (twice the tokens)."""
+    attention_backend: str = AUTO
+    """torch (reference, any device) or triton (CUDA); auto = triton on CUDA, torch on CPU."""
     num_blocks: int = 0
     """Resolved at start-up from the byte budget; not a flag."""
 
@@ -117,6 +124,17 @@ class EngineConfig:
             raise ConfigError(f"--block-size must be a power of two, got {cache.block_size}")
         if not 0 < cache.gpu_memory_utilization <= 1:
             raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
+        if cache.kv_cache_dtype not in (AUTO, "fp8"):
+            raise ConfigError(f"unknown --kv-cache-dtype {cache.kv_cache_dtype!r}; use auto or fp8")
+        backend = cache.attention_backend
+        if backend == AUTO:
+            backend = "triton" if device.startswith("cuda") else "torch"
+        if backend not in ("torch", "triton"):
+            raise ConfigError(f"unknown --attention-backend {backend!r}; use torch, triton or auto")
+        if backend == "triton" and not device.startswith("cuda"):
+            raise ConfigError("--attention-backend triton needs CUDA; use --attention-backend torch on CPU")
+        if self.model.load_format not in ("auto", "dummy"):
+            raise ConfigError(f"unknown --load-format {self.model.load_format!r}; use auto or dummy")
         if sched.policy not in ("fcfs", "priority"):
             raise ConfigError(f"unknown --scheduling-policy {sched.policy!r}; use fcfs or priority")
         if sched.max_num_seqs < 1 or sched.max_num_batched_tokens < 1:
@@ -125,7 +143,9 @@ class EngineConfig:
         return replace(
             self,
             model=replace(self.model, dtype=dtype, max_model_len=max_len),
+            cache=replace(cache, attention_backend=backend),
             parallel=replace(self.parallel, device=device),
+            enforce_eager=self.enforce_eager or not device.startswith("cuda"),
         )
 
     def with_num_blocks(self, num_blocks: int) -> EngineConfig:
@@ -168,6 +188,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + answer in tokens (default: the model's context length)")
     m.add_argument("--seed", type=int, default=0, help="seed of the global sampling RNG")
+    m.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy = seeded random weights of the checkpoint's shapes (benchmarks)")
 
     c = parser.add_argument_group("KV cache")
     c.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -177,6 +199,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="share of GPU memory tokenmill may use (weights + activations + KV cache)")
     c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV of full blocks computed before for the same tokens and cache_salt")
+    c.add_argument("--kv-cache-dtype", default=AUTO, choices=[AUTO, "fp8"],
+                   help="auto = model dtype; fp8 = FP8 E4M3 with per-layer scales (2x the tokens)")
+    c.add_argument("--attention-backend", default=AUTO, choices=[AUTO, "torch", "triton"],
+                   help="torch = reference (any device); triton = CUDA kernels; auto picks by device")
 
     s = parser.add_argument_group("scheduler")
     s.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step")

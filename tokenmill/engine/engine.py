@@ -14,6 +14,7 @@ from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.structured_output import StructuredOutputManager
 from tokenmill.errors import ConfigError, InvalidRequestError
 from tokenmill.layers.sampler import SamplerOutput
 from tokenmill.models.loader import load_hf_config, load_tokenizer, resolve_model
@@ -60,6 +61,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._computed_prompt_tokens = 0
         self._generated_tokens = 0
+        self._structured_output: StructuredOutputManager | None = None
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -104,6 +106,8 @@ class LLMEngine:
         )
         if params.seed is not None:
             request.generator = self.runner.make_generator(params.seed)
+        if params.structured_output is not None:
+            request.grammar = self._grammars().new_matcher(params.structured_output)
         if self.tokenizer is not None:
             self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params)
         self.requests[request_id] = request
@@ -125,6 +129,13 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         return None, token_ids
 
+    def _grammars(self) -> StructuredOutputManager:
+        if self._structured_output is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured output needs a model with a tokenizer")
+            self._structured_output = StructuredOutputManager(self.tokenizer, self.hf_config.vocab_size)
+        return self._structured_output
+
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
         if request is not None:
@@ -143,8 +154,10 @@ class LLMEngine:
         sampling = [r for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens + n == r.num_tokens]
         tables = [self.kv.block_tables[r.request_id] for r in batch.requests]
         for request, n in zip(batch.requests, batch.num_new_tokens):
-            self._computed_prompt_tokens += max(0, min(request.num_computed_tokens + n, len(request.prompt_token_ids)) - request.num_computed_tokens)
-        sampled = self.runner.execute(batch, tables, sampling)
+            start = request.num_computed_tokens
+            self._computed_prompt_tokens += max(0, min(start + n, len(request.prompt_token_ids)) - start)
+        masks = [None if r.grammar is None else r.grammar.allowed_token_mask() for r in sampling]
+        sampled = self.runner.execute(batch, tables, sampling, masks)
         self.scheduler.finish_step(batch)
         if sampled is None:
             return []
@@ -160,10 +173,16 @@ class LLMEngine:
             if logprobs is not None:
                 request.output_logprobs.append(logprobs)
             request.check_stop_token()
+            if request.grammar is not None:
+                request.grammar.accept_token(token_id)
+                if request.grammar.is_terminated() and not request.is_finished:
+                    request.finish("stop")
             text = ""
             detokenizer = self.detokenizers.get(request.request_id)
             if detokenizer is not None:
-                text = detokenizer.append([token_id])
+                # A stop token (EOS or stop_token_ids) ends the answer without entering its text.
+                stopped_by_token = request.finish_reason == "stop"
+                text = "" if stopped_by_token else detokenizer.append([token_id])
                 if detokenizer.stop_reason is not None and not request.is_finished:
                     request.finish("stop", detokenizer.stop_reason)
                 elif request.is_finished:

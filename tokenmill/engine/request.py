@@ -6,8 +6,12 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 import torch
 
+if TYPE_CHECKING:
+    from tokenmill.engine.structured_output import GrammarMatcher
 from tokenmill.outputs import TokenLogprobs
 from tokenmill.sampling_params import SamplingParams
 
@@ -46,6 +50,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
+    grammar: GrammarMatcher | None = None  # structured output: the tokens allowed next
     block_hashes: list[bytes] = field(default_factory=list)
 
     @property

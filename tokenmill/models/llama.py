@@ -61,6 +61,7 @@ class Attention(nn.Module):
         self.backend = backend
         self.scale = self.head_dim**-0.5
         self.kv_cache = torch.empty(0)  # bound by the model runner
+        self.k_scale = self.v_scale = 1.0  # FP8 KV scales (stored value = k / k_scale)
 
     def shard_sizes(self) -> list[int]:
         return [self.q_size, self.kv_size, self.kv_size]
@@ -73,7 +74,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale)
+        out = self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale, self.k_scale, self.v_scale)
         return self.o_proj(out.flatten(1))
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -12,16 +11,18 @@ from transformers import PretrainedConfig
 from tokenmill.config import EngineConfig
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ScheduledBatch
-from tokenmill.errors import ConfigError
 from tokenmill.layers.attention import ATTENTION_BACKENDS, AttentionMetadata
 from tokenmill.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from tokenmill.models.llama import LlamaForCausalLM, head_dim_of
 from tokenmill.models.loader import CheckpointSource, iter_weights
 from tokenmill.models.registry import model_class
+from tokenmill.runner.cuda_graphs import DecodeGraphs
+from tokenmill.runner.memory import kv_cache_budget, plan_num_blocks
+from tokenmill.sampling_params import SamplingParams
 
-logger = logging.getLogger(__name__)
-
-CPU_DEFAULT_KV_BYTES = 1 << 30
+KV_DTYPES = {"fp8": torch.float8_e4m3fn}
+# The costliest sampling path, for the memory profile.
+_PROFILE_PARAMS = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=20)
 
 
 @dataclass
@@ -30,75 +31,85 @@ class BatchInputs:
     positions: torch.Tensor
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the packed batch whose next token is sampled
+    is_decode: bool  # every request adds exactly one token
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, source: CheckpointSource) -> None:
         self.config = config
+        self.hf_config = hf_config
         self.device = torch.device(config.parallel.device)
         self.dtype = config.model.torch_dtype
+        self.kv_dtype = KV_DTYPES.get(config.cache.kv_cache_dtype, self.dtype)
         self.block_size = config.cache.block_size
         self.vocab_size = hf_config.vocab_size
-        self.backend = ATTENTION_BACKENDS["torch"]()
-        self.model = self._load_model(hf_config, source)
-        self.num_blocks = self._plan_kv_blocks(hf_config)
-        self.kv_caches = self._allocate_kv_caches(hf_config)
+        self.backend = ATTENTION_BACKENDS[config.cache.attention_backend]()
+        self.model = self._load_model(source)
         self.sampler = Sampler()
+        budget = kv_cache_budget(config, self.device, self._profile_step)
+        self.num_blocks = plan_num_blocks(budget, self.kv_bytes_per_block(), self.block_size, config.model.max_model_len)
+        # One block beyond the pool: the scratch block that padded CUDA-graph rows write into.
+        self._allocate_kv_caches(self.num_blocks + 1)
+        self.graphs: DecodeGraphs | None = None
+        if not config.enforce_eager:
+            self.graphs = DecodeGraphs(
+                self.model, min(config.scheduler.max_num_seqs, 512), self.max_blocks_per_seq, self.num_blocks,
+                self.block_size, config.model.max_model_len, self.device,
+            )
+            self.graphs.capture()
 
-    def _load_model(self, hf_config: PretrainedConfig, source: CheckpointSource) -> LlamaForCausalLM:
-        cls = model_class(hf_config)
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.config.model.max_model_len // self.block_size)
+
+    def _load_model(self, source: CheckpointSource) -> LlamaForCausalLM:
+        cls = model_class(self.hf_config)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = cls(hf_config, self.backend, self.config.model.max_model_len)
+                model = cls(self.hf_config, self.backend, self.config.model.max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
-        model.load_weights(iter_weights(source))
+        if self.config.model.load_format == "dummy":
+            _init_dummy_weights(model, self.config.model.seed)
+        else:
+            model.load_weights(iter_weights(source))
         return model.eval()
 
-    def kv_bytes_per_block(self, hf_config: PretrainedConfig) -> int:
-        per_token = 2 * hf_config.num_key_value_heads * head_dim_of(hf_config) * self.dtype.itemsize
-        return per_token * hf_config.num_hidden_layers * self.block_size
+    def kv_bytes_per_block(self) -> int:
+        c = self.hf_config
+        per_token = 2 * c.num_key_value_heads * head_dim_of(c) * self.kv_dtype.itemsize
+        return per_token * c.num_hidden_layers * self.block_size
 
-    def _plan_kv_blocks(self, hf_config: PretrainedConfig) -> int:
-        budget = self.config.cache.kv_cache_bytes
-        if budget is None:
-            budget = self._default_kv_budget(hf_config)
-        num_blocks = budget // self.kv_bytes_per_block(hf_config)
-        capacity = num_blocks * self.block_size
-        max_len = self.config.model.max_model_len
-        if capacity < max_len:
-            raise ConfigError(
-                f"the KV cache holds {capacity} tokens but --max-model-len is {max_len}: one request "
-                "could never fit; raise --kv-cache-bytes / --gpu-memory-utilization or lower --max-model-len"
-            )
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens", num_blocks, self.block_size, capacity)
-        return num_blocks
-
-    def _default_kv_budget(self, hf_config: PretrainedConfig) -> int:
-        if self.device.type != "cuda":
-            return CPU_DEFAULT_KV_BYTES
-        free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free
-        sched = self.config.scheduler
-        # Activations of one full step plus the logits of every sequence, in float32 (generous).
-        activations = sched.max_num_batched_tokens * (6 * hf_config.hidden_size + 3 * hf_config.intermediate_size) * 4
-        logits = sched.max_num_seqs * hf_config.vocab_size * 4 * 3
-        budget = int(total * self.config.cache.gpu_memory_utilization) - used - activations - logits
-        if budget <= 0:
-            raise ConfigError("no GPU memory is left for the KV cache; raise --gpu-memory-utilization")
-        return budget
-
-    def _allocate_kv_caches(self, hf_config: PretrainedConfig) -> list[torch.Tensor]:
-        shape = self.backend.kv_cache_shape(
-            self.num_blocks, self.block_size, hf_config.num_key_value_heads, head_dim_of(hf_config)
-        )
-        caches = []
+    def _allocate_kv_caches(self, num_blocks: int) -> None:
+        c = self.hf_config
+        shape = self.backend.kv_cache_shape(num_blocks, self.block_size, c.num_key_value_heads, head_dim_of(c))
         for layer in self.model.attention_layers():
-            layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            caches.append(layer.kv_cache)
-        return caches
+            layer.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+
+    @torch.inference_mode()
+    def _profile_step(self) -> None:
+        """The largest step the scheduler may send: a full token budget, logits for every sequence."""
+        tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
+        blocks = -(-tokens // self.block_size)
+        self._allocate_kv_caches(blocks)
+        table = torch.arange(blocks, dtype=torch.int32, device=self.device)[None]
+        metadata = AttentionMetadata(
+            query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
+            block_tables=table,
+            slot_mapping=torch.arange(tokens, device=self.device),
+            query_lens_host=[tokens],
+            seq_lens_host=[tokens],
+        )
+        positions = torch.arange(tokens, device=self.device)
+        hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device), positions, metadata)
+        rows = min(self.config.scheduler.max_num_seqs, tokens)
+        logits = self.model.compute_logits(hidden[:rows])
+        self.sampler(logits, SamplingMetadata.build(
+            [SamplingRow(_PROFILE_PARAMS, [0], [], None)] * rows, self.vocab_size, self.device))
+        self._allocate_kv_caches(0)
 
     def prepare_inputs(self, batch: ScheduledBatch, block_tables: Sequence[Sequence[int]]) -> BatchInputs:
         input_ids: list[int] = []
@@ -122,7 +133,10 @@ class ModelRunner:
         padded_tables = [list(t) + [0] * (width - len(t)) for t in block_tables]
 
         def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+            host = torch.tensor(values, dtype=dtype)
+            if self.device.type == "cuda":
+                host = host.pin_memory()
+            return host.to(self.device, non_blocking=True)
 
         metadata = AttentionMetadata(
             query_start_loc=to_device(query_start, torch.int32),
@@ -137,6 +151,7 @@ class ModelRunner:
             positions=to_device(positions, torch.int64),
             metadata=metadata,
             logits_indices=to_device(logits_indices, torch.int64),
+            is_decode=len(input_ids) == len(seq_lens),
         )
 
     @torch.inference_mode()
@@ -149,10 +164,9 @@ class ModelRunner:
     ) -> SamplerOutput | None:
         """Run one step; sample for `sampling_requests` (those whose last known token is computed)."""
         inputs = self.prepare_inputs(batch, block_tables)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
-        if not sampling_requests:
+        logits = self._logits(inputs)
+        if logits is None:
             return None
-        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
         for row, mask in enumerate(allowed_masks):
             if mask is not None:
                 logits[row].masked_fill_(~mask.to(self.device, non_blocking=True), float("-inf"))
@@ -168,5 +182,27 @@ class ModelRunner:
         ]
         return self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device))
 
+    def _logits(self, inputs: BatchInputs) -> torch.Tensor | None:
+        if inputs.logits_indices.numel() == 0:
+            self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+            return None
+        if self.graphs is not None and inputs.is_decode and inputs.metadata.num_requests <= self.graphs.max_batch:
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        return self.model.compute_logits(hidden[inputs.logits_indices])
+
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
+
+
+def _init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Seeded random weights of realistic scale: N(0, 0.02) matrices, unit norms, zero biases."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.zero_()
+            elif param.dim() == 1:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)

@@ -55,5 +55,10 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Write this step's k, v into the cache, then attend."""
+        """Write this step's k, v into the cache, then attend.
+
+        An FP8 cache stores k / k_scale and v / v_scale; reads multiply the scales back.
+        """

@@ -10,34 +10,49 @@ import torch.nn.functional as F
 
 from tokenmill.layers.attention.backend import AttentionBackend, AttentionMetadata
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     num_kv_heads, head_dim = k.shape[1:]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    if kv_cache.dtype == FP8:
+        k = (k.float() / k_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        v = (v.float() / v_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    # Copies go through same-width integer views: index_copy_ has no FP8 kernel on every device.
+    cache, k, v = _as_int(kv_cache), _as_int(k.to(kv_cache.dtype)), _as_int(v.to(kv_cache.dtype))
+    cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def _as_int(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first seq_len keys and values of one request, as [seq_len, num_kv_heads, head_dim]."""
     block_size = kv_cache.shape[2]
     blocks = block_table[: -(-seq_len // block_size)].long()
-    k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
-    v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+    cache = _as_int(kv_cache)
+    k = cache[0, blocks].flatten(0, 1)[:seq_len].view(kv_cache.dtype)
+    v = cache[1, blocks].flatten(0, 1)[:seq_len].view(kv_cache.dtype)
     return k, v
 
 
 class TorchReferenceBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv(kv_cache, k, v, metadata.slot_mapping)
+    def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, scale: float,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        write_kv(kv_cache, k, v, metadata.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(q)
         group = q.shape[1] // k.shape[1]
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(metadata.query_lens_host, metadata.seq_lens_host)):
             keys, values = gather_kv(kv_cache, metadata.block_tables[i], seq_len)
-            keys = keys.to(q.dtype).repeat_interleave(group, dim=1)
-            values = values.to(q.dtype).repeat_interleave(group, dim=1)
+            keys = (keys.to(q.dtype) * k_scale).repeat_interleave(group, dim=1)
+            values = (values.to(q.dtype) * v_scale).repeat_interleave(group, dim=1)
             # Query j sits at position seq_len - q_len + j and sees keys 0..that position.
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
             mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]

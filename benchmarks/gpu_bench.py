@@ -1,0 +1,187 @@
+"""Engine speed on one GPU, each figure beside the ceiling measured in the same run.
+
+Builds a random-weight checkpoint of Llama-3.1-8B shape (config only; weights are seeded
+random, `load_format="dummy"`), measures the device's copy bandwidth and bf16 matmul rate,
+then runs tokenmill on the workloads of ../shared/BENCHMARKS.md §1 and prints one table.
+
+    python benchmarks/gpu_bench.py [--quick] [--only tg,pp,...] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from tokenmill import LLM, SamplingParams
+
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "bos_token_id": 128000, "eos_token_id": 128001,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "rope_theta": 500000.0,
+}
+
+
+def median_time(fn: Callable[[], object], repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    seconds = median_time(lambda: dst.copy_(src), repeats=10)
+    return 2 * src.numel() / seconds
+
+
+def matmul_flops() -> float:
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    seconds = median_time(lambda: a @ b, repeats=10)
+    return 2 * 8192**3 / seconds
+
+
+def weight_bytes(llm: LLM) -> int:
+    return sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+
+
+def random_prompt(n: int, rng: random.Random) -> list[int]:
+    return [rng.randrange(1000, 100000) for _ in range(n)]
+
+
+def decode_rate(llm: LLM, prompt_len: int, new_tokens: int, batch: int = 1, seed: int = 0) -> float:
+    """Decode tok/s (per batch) as (t(N+1) - t(1)) / N, so prefill is excluded."""
+    rng = random.Random(seed)
+
+    def run(n: int) -> float:
+        prompts = [random_prompt(prompt_len, rng) for _ in range(batch)]
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    run(4)
+    one = statistics.median(run(1) for _ in range(3))
+    many = statistics.median(run(new_tokens + 1) for _ in range(3))
+    return batch * new_tokens / (many - one)
+
+
+def prefill_rate(llm: LLM, tokens: int, depth: int = 0, seed: int = 1) -> float:
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    context = random_prompt(depth, rng)
+
+    def run() -> float:
+        if depth:
+            llm.generate([context], params)  # the depth is cached; only `tokens` new ones are computed
+        prompt = context + random_prompt(tokens, rng)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.generate([prompt], params)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    run()
+    return tokens / statistics.median(run() for _ in range(3))
+
+
+def offline_throughput(llm: LLM, num_requests: int, seed: int = 2) -> tuple[float, float]:
+    """nano-vllm's workload: input and output lengths uniform in [100, 1024], ignore EOS."""
+    rng = random.Random(seed)
+    prompts = [random_prompt(rng.randint(100, 1024), rng) for _ in range(num_requests)]
+    params = [SamplingParams(temperature=0.6, max_tokens=rng.randint(100, 1024), ignore_eos=True) for _ in prompts]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    llm.generate(prompts, params)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return sum(p.max_tokens for p in params) / seconds, seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer tokens and requests (a smoke run)")
+    parser.add_argument("--only", default="tg,pp,depth,throughput,capacity", help="comma-separated workloads")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
+    args = parser.parse_args()
+    only = set(args.only.split(","))
+    rows: list[tuple[str, str, str]] = []
+    figures: dict[str, float] = {}
+
+    def report(name: str, value: float, unit: str, ceiling: float | None = None, ceiling_name: str = "") -> None:
+        figures[name] = value
+        ratio = f"{100 * value / ceiling:.1f}% of {ceiling_name}" if ceiling else ""
+        rows.append((name, f"{value:,.1f} {unit}", ratio))
+        print(f"{name:<42} {value:>12,.1f} {unit:<8} {ratio}", flush=True)
+
+    bandwidth, flops = copy_bandwidth(), matmul_flops()
+    report("device copy bandwidth", bandwidth / 1e9, "GB/s")
+    report("bf16 matmul 8192^3", flops / 1e12, "TFLOP/s")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(LLAMA_31_8B))
+        common = dict(load_format="dummy", dtype="bfloat16", attention_backend=args.attention_backend,
+                      enforce_eager=args.enforce_eager, max_model_len=36 * 1024)
+        llm = LLM(tmp, kv_cache_bytes=40 << 30, **common)
+        weights = weight_bytes(llm)
+        roofline = bandwidth / weights
+        flops_per_token = 2 * weights / 2  # 2 FLOPs per bf16 parameter
+        report("weights", weights / 1e9, "GB")
+        report("bs=1 decode roofline", roofline, "tok/s")
+        n = 32 if args.quick else 128
+        if "tg" in only:
+            report("tg128: decode bs=1 after 128 tokens", decode_rate(llm, 128, n), "tok/s", roofline, "roofline")
+            for batch in (16, 64):
+                report(f"decode bs={batch} after 128 tokens", decode_rate(llm, 128, n, batch), "tok/s")
+        if "pp" in only:
+            report("pp2048: prefill 2048 cold", prefill_rate(llm, 2048), "tok/s", flops / flops_per_token, "matmul ceiling")
+        if "depth" in only:
+            report("pp2048 @ d4096", prefill_rate(llm, 2048, depth=4096), "tok/s", flops / flops_per_token, "matmul ceiling")
+            report("tg @ d4096 bs=1", decode_rate(llm, 4096, n), "tok/s", roofline, "weight roofline")
+        if "throughput" in only:
+            rate, seconds = offline_throughput(llm, 32 if args.quick else 256)
+            report(f"offline throughput ({seconds:.0f} s)", rate, "tok/s")
+        if "capacity" in only:
+            report("KV capacity bf16 @ 40 GiB", llm.engine.kv.num_blocks * llm.engine.kv.block_size, "tokens")
+        del llm
+        torch.cuda.empty_cache()
+        if "depth" in only:
+            fp8 = LLM(tmp, kv_cache_bytes=40 << 30, kv_cache_dtype="fp8", **common)
+            report("KV capacity fp8 @ 40 GiB", fp8.engine.kv.num_blocks * fp8.engine.kv.block_size, "tokens")
+            depth = 8192 if args.quick else 32768
+            kv_bytes = depth * fp8.engine.runner.kv_bytes_per_block() / fp8.engine.kv.block_size
+            report(f"tg @ d{depth} bs=1, fp8 KV", decode_rate(fp8, depth, n), "tok/s",
+                   bandwidth / (weights + kv_bytes), "weight+KV roofline")
+
+    print("\n| figure | value | ratio |\n|---|---|---|")
+    for name, value, ratio in rows:
+        print(f"| {name} | {value} | {ratio} |")
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    main()
