@@ -63,6 +63,8 @@ class SchedulerConfig:
     """Token budget of one step (prefill chunks + decodes)."""
     policy: str = "fcfs"
     """Waiting-queue order: fcfs, or priority (lower value first, then arrival)."""
+    async_scheduling: bool | None = None
+    """Prepare step N+1 on the host while the device runs step N; None = on for CUDA."""
 
 
 @dataclass(frozen=True)
@@ -140,9 +142,13 @@ class EngineConfig:
         if sched.max_num_seqs < 1 or sched.max_num_batched_tokens < 1:
             raise ConfigError("--max-num-seqs and --max-num-batched-tokens must be positive")
 
+        async_scheduling = sched.async_scheduling
+        if async_scheduling is None:
+            async_scheduling = device.startswith("cuda")
         return replace(
             self,
             model=replace(self.model, dtype=dtype, max_model_len=max_len),
+            scheduler=replace(sched, async_scheduling=async_scheduling),
             cache=replace(cache, attention_backend=backend),
             parallel=replace(self.parallel, device=device),
             enforce_eager=self.enforce_eager or not device.startswith("cuda"),
@@ -210,6 +216,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="token budget of one step; long prompts are prefilled in chunks of it")
     s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="fcfs, or priority: lower request priority value first, then arrival")
+    s.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="prepare the next step while the GPU runs this one (default: on with CUDA)")
 
     p = parser.add_argument_group("device")
     p.add_argument("--device", default=AUTO, help="cuda, cpu or auto")

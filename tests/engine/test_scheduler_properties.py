@@ -63,7 +63,8 @@ class Simulation:
             for p in range(start, start + n):
                 self.slots[(table[p // bs], p % bs)] = (request.cache_salt, *tokens[: p + 1])
         for request in self.scheduler.finish_step(batch):
-            request.output_token_ids.append(self.rng.randrange(50))
+            request.num_placeholders -= 1
+            request.append_output(self.rng.randrange(50))
             request.check_stop_token()
             if request.is_finished:
                 self.scheduler.release(request)

@@ -13,13 +13,12 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.scheduler import ScheduledBatch, Scheduler
 from tokenmill.engine.structured_output import StructuredOutputManager
 from tokenmill.errors import ConfigError, InvalidRequestError
-from tokenmill.layers.sampler import SamplerOutput
 from tokenmill.models.loader import load_hf_config, load_tokenizer, resolve_model
 from tokenmill.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.runner.model_runner import ModelRunner, StepOutput
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -62,6 +61,8 @@ class LLMEngine:
         self._computed_prompt_tokens = 0
         self._generated_tokens = 0
         self._structured_output: StructuredOutputManager | None = None
+        self.async_scheduling = self.config.scheduler.async_scheduling
+        self._in_flight: StepOutput | None = None
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -143,56 +144,84 @@ class LLMEngine:
             self.detokenizers.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ---- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch one step, then resolve the step launched before it.
+
+        With async scheduling the host prepares step N+1 while the device still runs step N:
+        a request sampled in step N enters step N+1 with a placeholder whose id is read on the
+        device. Requests whose sampling needs the previous token on the host (penalties,
+        grammars) make the engine resolve first, so outputs equal synchronous mode's.
+        """
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None and (not self.async_scheduling or self._needs_host_tokens()):
+            outputs += self._resolve(self._in_flight)
+            self._in_flight = None
         batch = self.scheduler.schedule()
-        if not batch.requests:
-            return []
-        sampling = [r for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens + n == r.num_tokens]
+        launched = self._launch(batch) if batch.requests else None
+        if self._in_flight is not None:
+            outputs += self._resolve(self._in_flight)
+        self._in_flight = launched
+        if launched is not None and not self.async_scheduling:
+            outputs += self._resolve(launched)
+            self._in_flight = None
+        return outputs
+
+    def _needs_host_tokens(self) -> bool:
+        return any(r.params.uses_penalties or r.grammar is not None for r in self.scheduler.running)
+
+    def _launch(self, batch: ScheduledBatch) -> StepOutput | None:
+        sampling = batch.sampling_requests()
         tables = [self.kv.block_tables[r.request_id] for r in batch.requests]
         for request, n in zip(batch.requests, batch.num_new_tokens):
             start = request.num_computed_tokens
             self._computed_prompt_tokens += max(0, min(start + n, len(request.prompt_token_ids)) - start)
         masks = [None if r.grammar is None else r.grammar.allowed_token_mask() for r in sampling]
-        sampled = self.runner.execute(batch, tables, sampling, masks)
+        launched = self.runner.execute(batch, tables, sampling, masks, self._in_flight)
         self.scheduler.finish_step(batch)
-        if sampled is None:
-            return []
-        return self._append_tokens(sampling, sampled)
+        return launched
 
-    def _append_tokens(self, requests: list[Request], sampled: SamplerOutput) -> list[RequestOutput]:
-        token_ids = sampled.sampled_token_ids.tolist()
-        logprob_rows = _logprob_rows(sampled, requests)
+    def _resolve(self, step: StepOutput) -> list[RequestOutput]:
+        step.wait()
+        token_ids = step.host_token_ids.tolist()
+        logprob_rows = _logprob_rows(step)
         outputs = []
-        for request, token_id, logprobs in zip(requests, token_ids, logprob_rows):
-            request.output_token_ids.append(token_id)
-            self._generated_tokens += 1
-            if logprobs is not None:
-                request.output_logprobs.append(logprobs)
-            request.check_stop_token()
-            if request.grammar is not None:
-                request.grammar.accept_token(token_id)
-                if request.grammar.is_terminated() and not request.is_finished:
-                    request.finish("stop")
-            text = ""
-            detokenizer = self.detokenizers.get(request.request_id)
-            if detokenizer is not None:
-                # A stop token (EOS or stop_token_ids) ends the answer without entering its text.
-                stopped_by_token = request.finish_reason == "stop"
-                text = "" if stopped_by_token else detokenizer.append([token_id])
-                if detokenizer.stop_reason is not None and not request.is_finished:
-                    request.finish("stop", detokenizer.stop_reason)
-                elif request.is_finished:
-                    text += detokenizer.finish()
-            outputs.append(self._delta(request, token_id, text, logprobs))
-            if request.is_finished:
-                self.scheduler.release(request)
-                del self.requests[request.request_id]
-                self.detokenizers.pop(request.request_id, None)
+        for request, token_id, logprobs in zip(step.requests, token_ids, logprob_rows):
+            request.num_placeholders -= 1
+            if request.is_finished:  # aborted, or ended while this step was in flight
+                continue
+            outputs.append(self._append_token(request, token_id, logprobs))
         return outputs
+
+    def _append_token(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+        request.append_output(token_id)
+        self._generated_tokens += 1
+        if logprobs is not None:
+            request.output_logprobs.append(logprobs)
+        request.check_stop_token()
+        if request.grammar is not None:
+            request.grammar.accept_token(token_id)
+            if request.grammar.is_terminated() and not request.is_finished:
+                request.finish("stop")
+        text = ""
+        detokenizer = self.detokenizers.get(request.request_id)
+        if detokenizer is not None:
+            # A stop token (EOS or stop_token_ids) ends the answer without entering its text.
+            stopped_by_token = request.finish_reason == "stop"
+            text = "" if stopped_by_token else detokenizer.append([token_id])
+            if detokenizer.stop_reason is not None and not request.is_finished:
+                request.finish("stop", detokenizer.stop_reason)
+            elif request.is_finished:
+                text += detokenizer.finish()
+        output = self._delta(request, token_id, text, logprobs)
+        if request.is_finished:
+            self.scheduler.release(request)
+            del self.requests[request.request_id]
+            self.detokenizers.pop(request.request_id, None)
+        return output
 
     def _delta(self, request: Request, token_id: int, text: str, logprobs: TokenLogprobs | None) -> RequestOutput:
         completion = CompletionOutput(
@@ -231,13 +260,13 @@ class LLMEngine:
         return None if request is None else request.status
 
 
-def _logprob_rows(sampled: SamplerOutput, requests: list[Request]) -> list[TokenLogprobs | None]:
-    if sampled.logprobs is None:
-        return [None] * len(requests)
-    ids = sampled.logprob_token_ids.tolist()
-    values = sampled.logprobs.tolist()
+def _logprob_rows(step: StepOutput) -> list[TokenLogprobs | None]:
+    if step.host_logprobs is None:
+        return [None] * len(step.requests)
+    ids = step.host_logprob_ids.tolist()
+    values = step.host_logprobs.tolist()
     rows: list[TokenLogprobs | None] = []
-    for request, row_ids, row_values in zip(requests, ids, values):
+    for request, row_ids, row_values in zip(step.requests, ids, values):
         k = request.params.logprobs
         if k is None:
             rows.append(None)

@@ -158,7 +158,7 @@ class KVCacheManager:
             return
         table = self.block_tables[request.request_id]
         done = self.num_registered.get(request.request_id, 0)
-        full = request.num_computed_tokens // self.block_size
+        full = min(request.num_computed_tokens, len(request.all_token_ids)) // self.block_size
         if full <= done:
             return
         self._update_hashes(request)
@@ -175,7 +175,7 @@ class KVCacheManager:
 
     def _update_hashes(self, request: Request) -> None:
         hashes = request.block_hashes
-        num_full = request.num_tokens // self.block_size
+        num_full = len(request.all_token_ids) // self.block_size
         if len(hashes) >= num_full:
             return
         tokens = request.all_token_ids

@@ -28,7 +28,9 @@ class Request:
     """One sequence. The scheduling rule: `num_computed_tokens` catches up with `num_tokens`.
 
     Invariant: num_computed_tokens <= num_tokens; a step that brings num_computed_tokens to
-    num_tokens samples one more token (which makes num_tokens grow by one).
+    num_tokens samples one more token (which makes num_tokens grow by one). Under async
+    scheduling that token is a placeholder until its step is resolved: it counts in
+    num_tokens, its id lives only on the device, and all_token_ids does not have it yet.
     """
 
     request_id: str
@@ -43,6 +45,8 @@ class Request:
     arrival_index: int = 0
 
     output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)  # prompt + outputs known on the host
+    num_placeholders: int = 0
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
@@ -53,13 +57,24 @@ class Request:
     grammar: GrammarMatcher | None = None  # structured output: the tokens allowed next
     block_hashes: list[bytes] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+    def __post_init__(self) -> None:
+        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids) + self.num_placeholders
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids) + self.num_placeholders
+
+    @property
+    def reached_max_tokens(self) -> bool:
+        return self.num_output_tokens >= self.max_tokens
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
 
     @property
     def is_finished(self) -> bool:
@@ -86,7 +101,7 @@ class Request:
 
     def banned_token_ids(self) -> list[int]:
         """Tokens that may not be sampled now: stop tokens and EOS while below min_tokens."""
-        if len(self.output_token_ids) >= self.params.min_tokens:
+        if self.num_output_tokens >= self.params.min_tokens:
             return []
         banned = list(self.params.stop_token_ids)
         if not self.params.ignore_eos:

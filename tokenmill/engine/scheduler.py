@@ -42,6 +42,10 @@ class ScheduledBatch:
         self.requests.pop(i)
         return self.num_new_tokens.pop(i)
 
+    def sampling_requests(self) -> list[Request]:
+        """Requests whose step computes their last token, so their next token is sampled."""
+        return [r for r, n in zip(self.requests, self.num_new_tokens) if r.num_computed_tokens + n == r.num_tokens]
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
@@ -72,6 +76,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.reached_max_tokens:  # its last token is in flight; it ends when resolved
+                i += 1
+                continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, n):
                 victim = self._pick_victim()
@@ -108,14 +115,15 @@ class Scheduler:
         return batch
 
     def finish_step(self, batch: ScheduledBatch) -> list[Request]:
-        """Advance computed counts; return the requests whose next token was sampled this step."""
-        sampled = []
+        """Count the step's tokens as computed (it has been launched) and give each sampling
+        request a placeholder for the token it will get. Returns the sampling requests."""
+        sampling = batch.sampling_requests()
         for request, n in zip(batch.requests, batch.num_new_tokens):
             request.num_computed_tokens += n
             self.kv.register_computed_blocks(request)
-            if request.num_computed_tokens == request.num_tokens:
-                sampled.append(request)
-        return sampled
+        for request in sampling:
+            request.num_placeholders += 1
+        return sampling
 
     def release(self, request: Request) -> None:
         """Drop a request that just finished."""

@@ -26,6 +26,23 @@ _PROFILE_PARAMS = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=
 
 
 @dataclass
+class StepOutput:
+    """The sampled tokens of one launched step. On CUDA their host copy runs on a side stream;
+    reading them waits for that copy only, never for the whole device."""
+
+    requests: list[Request]  # one per sampled row
+    sampled: SamplerOutput  # device tensors (the next step may read token ids from here)
+    host_token_ids: torch.Tensor
+    host_logprob_ids: torch.Tensor | None
+    host_logprobs: torch.Tensor | None
+    copied: torch.cuda.Event | None
+
+    def wait(self) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
+
+
+@dataclass
 class BatchInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -46,6 +63,7 @@ class ModelRunner:
         self.backend = ATTENTION_BACKENDS[config.cache.attention_backend]()
         self.model = self._load_model(source)
         self.sampler = Sampler()
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         budget = kv_cache_budget(config, self.device, self._profile_step)
         self.num_blocks = plan_num_blocks(budget, self.kv_bytes_per_block(), self.block_size, config.model.max_model_len)
         # One block beyond the pool: the scratch block that padded CUDA-graph rows write into.
@@ -111,8 +129,14 @@ class ModelRunner:
             [SamplingRow(_PROFILE_PARAMS, [0], [], None)] * rows, self.vocab_size, self.device))
         self._allocate_kv_caches(0)
 
-    def prepare_inputs(self, batch: ScheduledBatch, block_tables: Sequence[Sequence[int]]) -> BatchInputs:
+    def prepare_inputs(
+        self, batch: ScheduledBatch, block_tables: Sequence[Sequence[int]], previous: StepOutput | None = None
+    ) -> BatchInputs:
         input_ids: list[int] = []
+        # Tokens sampled by the step still in flight: (row in this batch, row in that step).
+        placeholder_rows: list[int] = []
+        previous_rows: list[int] = []
+        previous_index = {id(r): i for i, r in enumerate(previous.requests)} if previous else {}
         positions: list[int] = []
         slots: list[int] = []
         query_start = [0]
@@ -122,7 +146,13 @@ class ModelRunner:
         for request, n, table in zip(batch.requests, batch.num_new_tokens, block_tables):
             start = request.num_computed_tokens
             end = start + n
-            input_ids.extend(request.all_token_ids[start:end])
+            known = request.all_token_ids[start:end]
+            input_ids.extend(known)
+            if len(known) < n:  # the last token is a placeholder: read it on the device
+                assert len(known) == n - 1, "at most one token per request is in flight"
+                placeholder_rows.append(len(input_ids))
+                previous_rows.append(previous_index[id(request)])
+                input_ids.append(0)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_start.append(query_start[-1] + n)
@@ -146,8 +176,13 @@ class ModelRunner:
             query_lens_host=list(batch.num_new_tokens),
             seq_lens_host=seq_lens,
         )
+        ids = to_device(input_ids, torch.int64)
+        if placeholder_rows:
+            assert previous is not None
+            ids[to_device(placeholder_rows, torch.int64)] = previous.sampled.sampled_token_ids[
+                to_device(previous_rows, torch.int64)]
         return BatchInputs(
-            input_ids=to_device(input_ids, torch.int64),
+            input_ids=ids,
             positions=to_device(positions, torch.int64),
             metadata=metadata,
             logits_indices=to_device(logits_indices, torch.int64),
@@ -159,11 +194,15 @@ class ModelRunner:
         self,
         batch: ScheduledBatch,
         block_tables: Sequence[Sequence[int]],
-        sampling_requests: Sequence[Request],
+        sampling_requests: list[Request],
         allowed_masks: Sequence[torch.Tensor | None] = (),
-    ) -> SamplerOutput | None:
-        """Run one step; sample for `sampling_requests` (those whose last known token is computed)."""
-        inputs = self.prepare_inputs(batch, block_tables)
+        previous: StepOutput | None = None,
+    ) -> StepOutput | None:
+        """Launch one step; sample for `sampling_requests` (whose last token this step computes).
+
+        `previous` is the step still in flight, whose sampled ids feed this step's placeholders.
+        """
+        inputs = self.prepare_inputs(batch, block_tables, previous)
         logits = self._logits(inputs)
         if logits is None:
             return None
@@ -180,7 +219,25 @@ class ModelRunner:
             )
             for r in sampling_requests
         ]
-        return self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device))
+        sampled = self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device))
+        return self._copy_to_host(sampling_requests, sampled)
+
+    def _copy_to_host(self, requests: list[Request], sampled: SamplerOutput) -> StepOutput:
+        tensors = [sampled.sampled_token_ids, sampled.logprob_token_ids, sampled.logprobs]
+        if self.copy_stream is None:
+            return StepOutput(requests, sampled, *tensors, copied=None)
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        host: list[torch.Tensor | None] = []
+        with torch.cuda.stream(self.copy_stream):
+            for tensor in tensors:
+                if tensor is None:
+                    host.append(None)
+                    continue
+                tensor.record_stream(self.copy_stream)
+                host.append(torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor, non_blocking=True))
+            copied = torch.cuda.Event()
+            copied.record(self.copy_stream)
+        return StepOutput(requests, sampled, host[0], host[1], host[2], copied)
 
     def _logits(self, inputs: BatchInputs) -> torch.Tensor | None:
         if inputs.logits_indices.numel() == 0:
