@@ -119,10 +119,38 @@ def offline_throughput(llm: LLM, num_requests: int, seed: int = 2) -> tuple[floa
     return sum(p.max_tokens for p in params) / seconds, seconds
 
 
+def same_workload_vs_transformers(llm: LLM, config_dir: str, num_requests: int, seed: int = 3) -> tuple[float, float]:
+    """Output tok/s of tokenmill and of transformers' generate_batch (continuous batching) on one
+    workload: inputs uniform in [100, 1024], 1024 new tokens each, greedy (generate_batch takes
+    one max_new_tokens for the whole batch)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    rng = random.Random(seed)
+    prompts = [random_prompt(rng.randint(100, 1024), rng) for _ in range(num_requests)]
+    new_tokens = 1024
+    start = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    torch.cuda.synchronize()
+    ours = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir), dtype=torch.bfloat16).cuda().eval()
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    hf.generate_batch(prompts[:4], generation_config=config, max_new_tokens=8)  # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    results = hf.generate_batch(prompts, generation_config=config)
+    torch.cuda.synchronize()
+    theirs = sum(len(r.generated_tokens) for r in results.values()) / (time.perf_counter() - start)
+    del hf
+    torch.cuda.empty_cache()
+    return ours, theirs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer tokens and requests (a smoke run)")
-    parser.add_argument("--only", default="tg,pp,depth,throughput,capacity", help="comma-separated workloads")
+    parser.add_argument("--only", default="tg,pp,depth,throughput,capacity,hf", help="comma-separated workloads")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
@@ -164,6 +192,11 @@ def main() -> None:
         if "throughput" in only:
             rate, seconds = offline_throughput(llm, 32 if args.quick else 256)
             report(f"offline throughput ({seconds:.0f} s)", rate, "tok/s")
+        if "hf" in only:
+            ours, theirs = same_workload_vs_transformers(llm, tmp, 16 if args.quick else 64)
+            report("same workload: tokenmill", ours, "tok/s")
+            report("same workload: HF generate_batch", theirs, "tok/s")
+            report("tokenmill / HF generate_batch", ours / theirs, "x")
         if "capacity" in only:
             report("KV capacity bf16 @ 40 GiB", llm.engine.kv.num_blocks * llm.engine.kv.block_size, "tokens")
         del llm

@@ -32,10 +32,18 @@ TINY_CONFIGS: dict[str, PretrainedConfig] = {
 }
 
 
+# SmolLM2-135M's real shapes (random weights): parity at full size where the GGUF cannot travel.
+SMOLLM2_SHAPE = LlamaConfig(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+    tie_word_embeddings=True,
+)
+
+
 def save_tiny_checkpoint(name: str, directory: Path, seed: int = 0) -> torch.nn.Module:
     """Build the named random model with a fixed seed, save it as safetensors, return it (float32)."""
     torch.manual_seed(seed)
-    config = TINY_CONFIGS[name]
+    config = SMOLLM2_SHAPE if name == "smollm2-shape" else TINY_CONFIGS[name]
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # larger than the default init, so logits are far from uniform
         for name, p in model.named_parameters():

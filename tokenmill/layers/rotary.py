@@ -24,15 +24,22 @@ def rope_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
+    """`fused` rotates q and k in place with the Triton kernel (CUDA only)."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int, fused: bool = False) -> None:
         super().__init__()
+        self.fused = fused
         inv_freq, scaling = rope_inv_freq(config, head_dim)
-        # float32 throughout, exactly as transformers computes it, so logits match bit for bit.
+        # float32 throughout, exactly as transformers computes it.
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
         self.register_buffer("cos", (torch.cat((freqs, freqs), -1).cos() * scaling), persistent=False)
         self.register_buffer("sin", (torch.cat((freqs, freqs), -1).sin() * scaling), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:
+            from tokenmill.kernels.rotary import apply_rotary_
+
+            return apply_rotary_(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -43,7 +43,9 @@ class Variant:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, backend: AttentionBackend, variant: Variant) -> None:
+    def __init__(
+        self, config: PretrainedConfig, rotary: RotaryEmbedding, backend: AttentionBackend, variant: Variant, fused: bool
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -55,8 +57,8 @@ class Attention(nn.Module):
         o_bias = bias if variant.o_bias is None else variant.o_bias
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, fused) if variant.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, fused) if variant.qk_norm else None
         self.rotary = rotary
         self.backend = backend
         self.scale = self.head_dim**-0.5
@@ -79,8 +81,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, fused: bool) -> None:
         super().__init__()
+        self.fused = fused
         self.intermediate_size = config.intermediate_size
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
@@ -90,38 +93,55 @@ class MLP(nn.Module):
         return [self.intermediate_size, self.intermediate_size]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            from tokenmill.kernels.activation import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, backend: AttentionBackend, variant: Variant) -> None:
+    def __init__(
+        self, config: PretrainedConfig, rotary: RotaryEmbedding, backend: AttentionBackend, variant: Variant, fused: bool
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, rotary, backend, variant)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        self.self_attn = Attention(config, rotary, backend, variant, fused)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        self.mlp = MLP(config, fused)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, metadata: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x is the last sublayer's output, not yet added to the residual stream (None at the start)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, metadata)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int, variant: Variant) -> None:
+    def __init__(
+        self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int, variant: Variant, fused: bool
+    ) -> None:
         super().__init__()
-        rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
+        rotary = RotaryEmbedding(config, head_dim_of(config), max_positions, fused)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, backend, variant) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, rotary, backend, variant, fused) for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(positions, x, metadata)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, metadata)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -129,10 +149,13 @@ class LlamaForCausalLM(nn.Module):
 
     variant = Variant()
 
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(
+        self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int, fused_ops: bool = False
+    ) -> None:
+        """fused_ops: Triton kernels for RMSNorm (+ residual), rotary and SiLU-and-mul (CUDA)."""
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, backend, max_positions, self.variant)
+        self.model = DecoderModel(config, backend, max_positions, self.variant, fused_ops)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:

@@ -11,6 +11,7 @@ from transformers import PretrainedConfig
 from tokenmill.config import EngineConfig
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ScheduledBatch
+from tokenmill.errors import ConfigError
 from tokenmill.layers.attention import ATTENTION_BACKENDS, AttentionMetadata
 from tokenmill.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from tokenmill.models.llama import LlamaForCausalLM, head_dim_of
@@ -61,6 +62,9 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.vocab_size = hf_config.vocab_size
         self.backend = ATTENTION_BACKENDS[config.cache.attention_backend]()
+        self.use_triton = self.device.type == "cuda"  # fused small ops; import fails closed below
+        if self.use_triton:
+            _require_triton()
         self.model = self._load_model(source)
         self.sampler = Sampler()
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -86,7 +90,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = cls(self.hf_config, self.backend, self.config.model.max_model_len)
+                model = cls(self.hf_config, self.backend, self.config.model.max_model_len, self.use_triton)
         finally:
             torch.set_default_dtype(default_dtype)
         if self.config.model.load_format == "dummy":
@@ -263,3 +267,10 @@ def _init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, 0.02, generator=generator)
+
+
+def _require_triton() -> None:
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"CUDA runs need triton for the fused kernels ({exc}); pip install triton") from exc

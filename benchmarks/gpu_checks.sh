@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# On a CUDA machine: the GPU-marked tests, then the benchmarks. Output also goes to $OUT if set.
+#   bash benchmarks/gpu_checks.sh [tests|attention|engine|quick]...   (default: tests attention engine)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp}
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
+for part in "${@:-tests attention engine}"; do
+  for p in $part; do
+    case $p in
+      tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests.log" ;;
+      attention) python3 benchmarks/attention_bench.py 2>&1 | tee "$out/attention_bench.log" ;;
+      engine) python3 benchmarks/gpu_bench.py --json "$out/gpu_bench.json" 2>&1 | tee "$out/gpu_bench.log" ;;
+      quick) python3 benchmarks/gpu_bench.py --quick 2>&1 | tee "$out/gpu_bench_quick.log" ;;
+    esac
+  done
+done
