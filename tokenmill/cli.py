@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 
+from tokenmill.bench.cli import register as register_bench
 from tokenmill.config import EngineConfig, add_engine_args
 from tokenmill.errors import TokenmillError
 
@@ -21,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="logging verbosity")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(commands)
+    register_bench(commands)
     return parser
 
 
