@@ -21,12 +21,16 @@ import argparse
 import dataclasses
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from an uninstalled checkout
 
 from tokenmill.kernels.activation import silu_and_mul, silu_and_mul_ref
 from tokenmill.kernels.attention import AttentionPlan, paged_attention, plan_attention

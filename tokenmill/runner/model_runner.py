@@ -62,6 +62,9 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.vocab_size = hf_config.vocab_size
         self.backend = ATTENTION_BACKENDS[config.cache.attention_backend]()
+        self.backend.check_supported(
+            hf_config.num_attention_heads, hf_config.num_key_value_heads, head_dim_of(hf_config), self.dtype, self.kv_dtype
+        )
         self.use_triton = self.device.type == "cuda"  # fused small ops; import fails closed below
         if self.use_triton:
             _require_triton()

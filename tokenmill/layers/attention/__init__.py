@@ -2,9 +2,11 @@
 
 from tokenmill.layers.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.layers.attention.torch_ref import TorchReferenceBackend
+from tokenmill.layers.attention.triton_backend import TritonAttentionBackend
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
     TorchReferenceBackend.name: TorchReferenceBackend,
+    TritonAttentionBackend.name: TritonAttentionBackend,
 }
 
-__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "TorchReferenceBackend"]
+__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "TorchReferenceBackend", "TritonAttentionBackend"]

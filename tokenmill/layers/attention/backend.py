@@ -43,6 +43,10 @@ class AttentionBackend(ABC):
     name: str
 
     @staticmethod
+    def check_supported(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+        """Raise ConfigError, saying what to change, for a model this backend cannot run."""
+
+    @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 

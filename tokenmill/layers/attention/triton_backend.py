@@ -3,20 +3,24 @@ any mix of prefill chunks and decodes, without a host synchronisation.
 
 Triton is imported when the backend is built, never by `import tokenmill`.
 
-FP8 KV (`--kv-cache-dtype fp8`): the cache tensor is `torch.float8_e4m3fn` and stores x / scale;
-each layer's (k_scale, v_scale) is registered against its cache tensor with `set_kv_scales`
-(default 1.0, 1.0). Scales are plain floats baked into each launch, so set them before any CUDA
-graph is captured. For a cache of the model dtype the scales are ignored.
+FP8 KV (`--kv-cache-dtype fp8`): the cache tensor is `torch.float8_e4m3fn` and stores x / scale
+(saturated at +-448) with the layer's k_scale and v_scale, which the caller passes to `forward`;
+they are folded into the softmax scale and the output, so dequantizing costs nothing extra.
+Scales are plain floats baked into each launch: fix them before CUDA graphs are captured.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.errors import ConfigError
 from tokenmill.layers.attention.backend import AttentionBackend, AttentionMetadata
+
+if TYPE_CHECKING:
+    from tokenmill.kernels.attention import AttentionPlan
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -35,7 +39,6 @@ class TritonAttentionBackend(AttentionBackend):
             raise ConfigError(f"--attention-backend triton needs triton ({exc}); pip install triton") from exc
         self.num_splits = num_splits
         self.min_split_tokens = min_split_tokens
-        self._scales: dict[int, tuple[float, float]] = {}
 
     @staticmethod
     def check_supported(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
@@ -49,17 +52,9 @@ class TritonAttentionBackend(AttentionBackend):
         if not 16 <= head_dim <= 256:
             raise ConfigError(f"the triton attention backend takes head sizes 16..256, not {head_dim}")
 
-    def set_kv_scales(self, kv_cache: torch.Tensor, k_scale: float, v_scale: float) -> None:
-        if not (k_scale > 0 and v_scale > 0):
-            raise ConfigError(f"KV cache scales must be positive, got k_scale={k_scale}, v_scale={v_scale}")
-        self._scales[kv_cache.data_ptr()] = (float(k_scale), float(v_scale))
-
-    def kv_scales(self, kv_cache: torch.Tensor) -> tuple[float, float]:
-        if kv_cache.dtype != FP8_KV_DTYPE:
-            return 1.0, 1.0
-        return self._scales.get(kv_cache.data_ptr(), (1.0, 1.0))
-
-    def plan(self, metadata: AttentionMetadata, num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device):
+    def plan(
+        self, metadata: AttentionMetadata, num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+    ) -> AttentionPlan:
         """The launch plan for this batch, from host-side sizes only."""
         return self._attention.plan_attention(
             num_tokens=num_tokens,
@@ -74,8 +69,17 @@ class TritonAttentionBackend(AttentionBackend):
             min_split_tokens=self.min_split_tokens,
         )
 
-    def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        k_scale, v_scale = self.kv_scales(kv_cache)
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> torch.Tensor:
         self._kv_cache.write_kv_cache(k, v, kv_cache, metadata.slot_mapping, k_scale, v_scale)
         num_tokens, num_heads, head_dim = q.shape
         plan = self.plan(metadata, num_tokens, num_heads, k.shape[1], head_dim, q.device)

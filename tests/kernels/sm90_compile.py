@@ -1,0 +1,114 @@
+"""Compile every kernel variant the GPU path launches for sm_90 (Hopper) with no GPU present:
+Triton's own front end, LLVM and the ptxas that ships in its wheel. Catches what the
+interpreter cannot (layout and dot-shape limits, FP8 casts, shared-memory overflow).
+
+Run as a script (`python tests/kernels/sm90_compile.py`) it prints one line per variant. It
+must run with TRITON_INTERPRET unset, so test_sm90_compile.py runs it in a subprocess. It uses
+Triton's compiler entry points (ASTSource, GPUTarget), which are not a stable API.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "0"
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from tokenmill.kernels.activation import _silu_and_mul_kernel
+from tokenmill.kernels.attention import plan_attention
+from tokenmill.kernels.kv_cache import _write_kv_kernel
+from tokenmill.kernels.paged_attention import _merge_kernel, _paged_attention_kernel
+from tokenmill.kernels.rms_norm import _rms_norm_kernel
+from tokenmill.kernels.rotary import _rotary_kernel
+
+TARGET = GPUTarget("cuda", 90, 32)
+MAX_SHARED = 232448  # bytes of shared memory one sm_90 block may use
+TL = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv"}
+
+
+def compile_variant(fn, types: dict[str, str], consts: dict[str, object], num_warps: int, num_stages: int = 3):
+    """Compile as the launcher would, with pointers and strides 16-divisible like real launches."""
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    aligned = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(fn.arg_names)
+        if n not in consts and (sig[n].startswith("*") or n.startswith("stride"))
+    }
+    src = ASTSource(fn, sig, constexprs=consts, attrs=aligned)
+    return triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def attention_variants():
+    """(label, kernel, types, constexprs, warps, stages) for the shapes the engine runs."""
+    models = [(32, 8, 128), (16, 16, 64), (16, 8, 256), (28, 4, 128)]
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for kv_dtype in (dtype, torch.float8_e4m3fn):
+            for heads, kv_heads, head_dim in models if dtype == torch.bfloat16 else models[:1]:
+                for max_q in (1, 2048):
+                    plan = plan_attention(
+                        num_tokens=max_q, num_requests=1, max_query_len=max_q, max_seq_len=32768,
+                        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                        device=torch.device("cuda"), num_splits=8 if max_q == 1 else 1,
+                    )
+                    group = heads // kv_heads
+                    types = {
+                        "out_ptr": f"*{TL[dtype]}", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+                        "q_ptr": f"*{TL[dtype]}", "k_cache_ptr": f"*{TL[kv_dtype]}", "v_cache_ptr": f"*{TL[kv_dtype]}",
+                        "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32",
+                        "qk_scale": "fp32", "v_scale": "fp32",
+                    }
+                    consts = dict(
+                        GROUP=group, GROUP_P=triton.next_power_of_2(group), HEAD_DIM=head_dim,
+                        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m,
+                        BLOCK_N=plan.block_n, PAGE=16, SPLIT=plan.split, MIN_SPLIT_TILES=plan.min_split_tiles, UPCAST=False, IEEE=dtype == torch.float32,
+                    )
+                    label = f"attention {TL[dtype]} kv={TL[kv_dtype]} H={heads}/{kv_heads} D={head_dim} q={max_q}"
+                    yield label, _paged_attention_kernel, types, consts, plan.num_warps, plan.num_stages
+
+
+def other_variants():
+    for head_dim in (64, 128, 256):
+        yield (f"merge D={head_dim}", _merge_kernel, {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "qsl_ptr": "*i32"},
+               dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, SPLITS_P=64), 4, 1)
+    for cache in ("bf16", "fp8e4nv"):
+        yield (f"write_kv cache={cache}", _write_kv_kernel,
+               {"key_ptr": "*bf16", "value_ptr": "*bf16", "cache_ptr": f"*{cache}", "slot_ptr": "*i64",
+                "k_scale": "fp32", "v_scale": "fp32"},
+               dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_P=8, DIM_P=128, PAGE=16, QUANT=cache != "bf16",
+                    EMULATE_ROUNDING=False), 4, 1)
+    yield ("rms_norm+residual 4096", _rms_norm_kernel,
+           {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16", "eps": "fp32"},
+           dict(BLOCK=4096, HAS_RESIDUAL=True), 8, 1)
+    yield ("silu_and_mul", _silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"}, dict(BLOCK=1024), 4, 1)
+    yield ("rotary D=128", _rotary_kernel,
+           {"pos_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32"},
+           dict(HALF=64, HALF_P=64, QH_P=32, KH_P=8), 4, 1)
+
+
+def main(quick: bool = False) -> int:
+    failures = 0
+    variants = list(attention_variants()) + list(other_variants())
+    if quick:  # CI: the Llama-shaped bf16 and fp8 attention plus the small kernels
+        variants = [v for v in variants if "H=32/8" in v[0] and v[0].startswith("attention bf16")] + list(other_variants())
+    for label, fn, types, consts, warps, stages in variants:
+        try:
+            kernel = compile_variant(fn, types, consts, warps, stages)
+        except Exception as exc:  # report every variant, then fail
+            failures += 1
+            print(f"FAIL {label}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            continue
+        shared = kernel.metadata.shared
+        ok = shared <= MAX_SHARED
+        failures += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {label}: warps={warps} stages={stages} shared={shared}")
+    print(f"{len(variants) - failures} compiled, {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(quick="--quick" in sys.argv))

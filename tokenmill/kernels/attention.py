@@ -1,0 +1,138 @@
+"""Host side of paged attention: pick tile shapes and the KV split count from host-known sizes,
+then launch (`paged_attention`). Nothing here reads device memory, so a launch is graph-safe.
+
+Tile shapes are leads for an H200 (sm_90); the benchmark in benchmarks/attention_bench.py is
+where they are checked. On CPU (TRITON_INTERPRET=1) tiles are small so tiny tests cross many.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.kernels._common import interpreting, next_pow2, sm_count
+from tokenmill.kernels.paged_attention import LOG2E, _merge_kernel, _paged_attention_kernel
+
+MAX_SPLITS = 64
+# Split until the grid has about this many programs per multiprocessor: decode programs are
+# short and memory-bound (several per SM hide latency and balance the tail); a prefill tile
+# already carries plenty of work, so it is split only to fill the machine once.
+DECODE_WAVES = 4
+PREFILL_WAVES = 1
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    block_q: int  # query tokens per program; 1 = the decode layout
+    block_m: int  # rows per program: block_q * next_pow2(group), at least 16
+    block_n: int  # keys per KV tile
+    num_splits: int  # KV splits per query tile (1: no merge pass)
+    min_split_tiles: int  # fewest KV tiles a split takes on device; later splits may be empty
+    num_warps: int
+    num_stages: int
+    num_tiles: int  # grid size along the query-tile axis
+
+    @property
+    def split(self) -> bool:
+        return self.num_splits > 1
+
+
+def plan_attention(
+    *,
+    num_tokens: int,
+    num_requests: int,
+    max_query_len: int,
+    max_seq_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    device: torch.device,
+    num_splits: int | None = None,
+    min_split_tokens: int | None = None,
+) -> AttentionPlan:
+    """Choose the launch. `num_splits` forces the split count; otherwise splits are added while
+    the grid is short of the waves above and each split keeps at least `min_split_tokens` keys
+    of the longest request. On device a split also takes at least `min_split_tokens` keys of its
+    own request, so a plan made for long requests (a captured graph) wastes little on short ones."""
+    on_gpu = device.type == "cuda" and not interpreting()
+    group_p = next_pow2(num_heads // num_kv_heads)
+    big_head = head_dim > 128
+    block_n = (32 if big_head else 64) if on_gpu else 16
+    if max_query_len <= 1:
+        block_q = 1
+        num_warps, num_stages = 4, (2 if big_head else 3)
+    else:
+        target_rows = (64 if big_head else 128) if on_gpu else 32
+        block_q = max(1, min(target_rows // group_p, next_pow2(max_query_len)))
+        num_warps, num_stages = (8 if head_dim >= 128 else 4), (2 if big_head else 3)
+    block_m = max(16, block_q * group_p)
+    num_tiles = num_tokens if block_q == 1 else num_tokens // block_q + num_requests
+
+    if min_split_tokens is None:
+        min_split_tokens = 256 if on_gpu else 2 * block_n
+    if num_splits is None:
+        programs = num_tiles * num_kv_heads
+        waves = DECODE_WAVES if block_q == 1 else PREFILL_WAVES
+        wanted = -(-waves * sm_count(device) // programs)
+        by_length = -(-max_seq_len // min_split_tokens)
+        num_splits = max(1, min(wanted, by_length, MAX_SPLITS))
+    min_split_tiles = max(1, min_split_tokens // block_n)
+    return AttentionPlan(block_q, block_m, block_n, num_splits, min_split_tiles, num_warps, num_stages, num_tiles)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D], unit stride along D
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], model dtype or float8_e4m3fn
+    value_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    scale: float,
+    plan: AttentionPlan,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed queries over their requests' cached keys and values (which
+    must already hold this step's tokens). Rows of `out` outside every request are left as is."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = key_cache.shape
+    if out is None:
+        out = torch.empty_like(q)
+    num_requests = seq_lens.shape[0]
+    if num_tokens == 0 or num_requests == 0:
+        return out
+    if q.stride(2) != 1 or key_cache.stride(3) != 1 or value_cache.stride(3) != 1 or out.stride(2) != 1:
+        raise ValueError("paged_attention needs a unit stride along head_dim")
+    group = num_heads // num_kv_heads
+    block_d = next_pow2(head_dim)
+    upcast = interpreting() and q.dtype == torch.bfloat16
+    ieee = q.dtype == torch.float32
+    splits = plan.num_splits
+    if plan.split:
+        part_out = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    _paged_attention_kernel[(plan.num_tiles, num_kv_heads, splits)](
+        out, part_out, part_lse,
+        q, key_cache, value_cache,
+        block_tables, seq_lens, query_start_loc,
+        num_requests, num_heads, splits, scale * k_scale * LOG2E, v_scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group, GROUP_P=next_pow2(group), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, PAGE=page,
+        SPLIT=plan.split, MIN_SPLIT_TILES=plan.min_split_tiles, UPCAST=upcast, IEEE=ieee,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )
+    if plan.split:
+        _merge_kernel[(num_tokens, num_heads)](
+            out, part_out, part_lse, query_start_loc, num_requests, num_heads, splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_P=next_pow2(splits),
+            num_warps=4 if head_dim >= 128 else 2,
+        )
+    return out

@@ -1,0 +1,206 @@
+"""Causal GQA attention over the paged KV cache: one kernel for prefill, chunked prefill, decode
+and any mix of them, with optional split-KV (flash-decoding) and a log-sum-exp merge.
+
+A program owns one *query tile* (BLOCK_Q consecutive query tokens of one request) for one KV
+head, times all GROUP query heads sharing that KV head, so each KV tile it reads serves
+BLOCK_Q * GROUP rows. Rows are laid out token-major: row r = (token r // GROUP_P, head r % GROUP_P).
+
+Query tiles are numbered without a host-built map: request i owns tile ids
+[qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q + i + 1) (some may be empty), or, when BLOCK_Q == 1,
+exactly its token ids qsl[i] .. qsl[i+1] - 1. A binary search over query_start_loc finds the
+request, so the launch needs only host-side sizes (T, B) and never reads device memory.
+
+With num_splits > 1 the KV range of every tile is cut into up to num_splits runs of whole KV
+tiles (at least MIN_SPLIT_TILES each); each writes a normalised partial output and its
+log2-sum-exp, an empty run only its -inf lse, and `_merge_kernel` combines them.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tokenmill.kernels._common import mm
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_request(qsl_ptr, num_requests, tile, BLOCK_Q: tl.constexpr):
+    """The largest request i whose first tile id is <= tile."""
+    lo = 0
+    hi = num_requests - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first = tl.load(qsl_ptr + mid)
+        if BLOCK_Q != 1:
+            first = first // BLOCK_Q + mid
+        if first <= tile:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _attend_tiles(
+    acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos, kv_end, t_lo, t_hi, offs_d,
+    stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, CAUSAL_MASK: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Online softmax over KV tiles t_lo .. t_hi - 1. Without CAUSAL_MASK every key of these
+    tiles must be visible to every row (the caller guarantees it)."""
+    d_ok = offs_d[None, :] < HEAD_DIM
+    for t in range(t_lo, t_hi):
+        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        if CAUSAL_MASK:
+            n_ok = offs_n < kv_end
+            page = tl.load(bt_row + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
+            kv_mask = n_ok[:, None] & d_ok
+        else:
+            page = tl.load(bt_row + offs_n // PAGE).to(tl.int64)
+            kv_mask = d_ok
+        row = (offs_n % PAGE)[:, None]
+        k_ptrs = k_base + page[:, None] * stride_kb + row * stride_kt + offs_d[None, :]
+        v_ptrs = v_base + page[:, None] * stride_vb + row * stride_vt + offs_d[None, :]
+        if BLOCK_D == HEAD_DIM and not CAUSAL_MASK:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        s = mm(q, tl.trans(k.to(q.dtype)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST, IEEE)
+        s = s * qk_scale
+        if CAUSAL_MASK:
+            visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row that has seen no visible key yet keeps m = -inf; shift by 0 to avoid inf - inf.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_shift = m_new
+        p = tl.math.exp2(s - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = mm(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], UPCAST, IEEE)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr,
+    block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    num_requests, num_heads, num_splits, qk_scale, v_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, SPLIT: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    # Highest tile ids first: in a causal prefill the last tiles of a request do the most work.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    req = _find_request(qsl_ptr, num_requests, tile, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    first_tile = q_start if BLOCK_Q == 1 else q_start // BLOCK_Q + req
+    q_tile_start = (tile - first_tile) * BLOCK_Q
+    if q_tile_start >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_start = seq_len - q_len  # position of the request's first query token
+
+    rows = tl.arange(0, BLOCK_M)
+    row_tok = rows // GROUP_P
+    row_head = rows % GROUP_P
+    tok = q_tile_start + row_tok
+    row_ok = (row_tok < BLOCK_Q) & (tok < q_len) & (row_head < GROUP)
+    head = kv_head * GROUP + row_head
+
+    kv_end = ctx_start + tl.minimum(q_tile_start + BLOCK_Q, q_len)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    # Tiles below this one hold only keys every row of the tile may see.
+    full_tiles = (ctx_start + q_tile_start + 1) // BLOCK_N
+    t_lo = 0
+    t_hi = num_tiles
+    if SPLIT:
+        # At least MIN_SPLIT_TILES per split, so short contexts leave the later splits empty
+        # (a graph captured with many splits stays cheap on short requests).
+        per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_SPLIT_TILES)
+        t_lo = split * per_split
+        t_hi = tl.minimum(t_lo + per_split, num_tiles)
+        part = ((q_start + tok) * num_heads + head) * num_splits + split
+        if t_lo >= t_hi:
+            tl.store(part_lse_ptr + part, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+            return
+
+    q_pos = ctx_start + tok
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < HEAD_DIM
+    q_ptrs = q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    bt_row = block_tables_ptr + req * stride_bt
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos, kv_end,
+        t_lo, tl.minimum(t_hi, full_tiles), offs_d,
+        stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE, False, UPCAST, IEEE,
+    )
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos, kv_end,
+        tl.maximum(t_lo, full_tiles), t_hi, offs_d,
+        stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE, True, UPCAST, IEEE,
+    )
+
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc * (v_scale / l_safe)[:, None]
+    store_mask = row_ok[:, None] & d_ok
+    if SPLIT:
+        lse = tl.where(seen, m_i + tl.math.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=store_mask)
+    else:
+        o_ptrs = out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit
+def _merge_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, qsl_ptr, num_requests, num_heads, num_splits, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    if tok >= tl.load(qsl_ptr + num_requests):  # a padding row: no request wrote partials for it
+        return
+    base = (tok * num_heads + head) * num_splits
+    offs_s = tl.arange(0, SPLITS_P)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < num_splits
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse - m)
+    denom = tl.sum(w, 0)
+    # An empty split wrote only its -inf lse; its partial output is never read.
+    mask = (s_ok & (lse > float("-inf")))[:, None] & (offs_d[None, :] < HEAD_DIM)
+    parts = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)

@@ -1,0 +1,91 @@
+"""Rotary position embedding, rotate-half layout, applied in place to q and k.
+
+cos/sin caches are [max_positions, rot] float32 with rot = head_dim (both halves equal, as
+tokenmill.layers.rotary builds them) or head_dim / 2; only the first head_dim / 2 columns are
+read. The arithmetic rounds as the PyTorch module does in the model dtype: cos and sin are cast
+to it, and each product and sum is rounded to it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels._common import next_pow2
+
+
+def apply_rotary_ref(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    half = q.shape[-1] // 2
+    c = cos[positions, :half].unsqueeze(1).to(q.dtype)
+    s = sin[positions, :half].unsqueeze(1).to(q.dtype)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+    return rotate(q), rotate(k)
+
+
+@triton.jit
+def _rotate_heads(x_ptr, stride_h, c, s, num_heads, HALF: tl.constexpr, HEADS_P: tl.constexpr, HALF_P: tl.constexpr):
+    heads = tl.arange(0, HEADS_P)[:, None]
+    cols = tl.arange(0, HALF_P)[None, :]
+    mask = (heads < num_heads) & (cols < HALF)
+    p1 = x_ptr + heads * stride_h + cols
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
+    dtype = x1.dtype
+    a1 = x1.to(tl.float32)
+    a2 = x2.to(tl.float32)
+    # Round every product before the sum, as the unfused PyTorch ops in the model dtype do.
+    o1 = (a1 * c).to(dtype).to(tl.float32) - (a2 * s).to(dtype).to(tl.float32)
+    o2 = (a2 * c).to(dtype).to(tl.float32) + (a1 * s).to(dtype).to(tl.float32)
+    tl.store(p1, o1.to(dtype), mask=mask)
+    tl.store(p1 + HALF, o2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
+    num_q_heads, num_k_heads,
+    HALF: tl.constexpr, HALF_P: tl.constexpr, QH_P: tl.constexpr, KH_P: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    pos = tl.load(pos_ptr + tok)
+    cols = tl.arange(0, HALF_P)[None, :]
+    cmask = cols < HALF
+    c = tl.load(cos_ptr + pos * stride_cos + cols, mask=cmask, other=0.0)
+    s = tl.load(sin_ptr + pos * stride_sin + cols, mask=cmask, other=0.0)
+    dtype = q_ptr.dtype.element_ty
+    c = c.to(dtype).to(tl.float32)
+    s = s.to(dtype).to(tl.float32)
+    _rotate_heads(q_ptr + tok * stride_qt, stride_qh, c, s, num_q_heads, HALF, QH_P, HALF_P)
+    _rotate_heads(k_ptr + tok * stride_kt, stride_kh, c, s, num_k_heads, HALF, KH_P, HALF_P)
+
+
+def apply_rotary_(
+    positions: torch.Tensor,  # [T] int
+    q: torch.Tensor,  # [T, H, D], unit stride along D; rotated in place
+    k: torch.Tensor,  # [T, Hkv, D], same dtype
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_q_heads, head_dim = q.shape
+    if q.stride(2) != 1 or k.stride(2) != 1 or cos.stride(1) != 1 or sin.stride(1) != 1:
+        raise ValueError("apply_rotary_ needs a unit stride along the last dimension")
+    if q.dtype != k.dtype:
+        raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
+    half = head_dim // 2
+    if num_tokens:
+        _rotary_kernel[(num_tokens,)](
+            positions, q, k, cos, sin,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
+            num_q_heads, k.shape[1],
+            HALF=half, HALF_P=next_pow2(half), QH_P=next_pow2(num_q_heads), KH_P=next_pow2(k.shape[1]),
+            num_warps=4,
+        )
+    return q, k
