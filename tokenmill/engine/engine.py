@@ -42,7 +42,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         config = config or EngineConfig()
-        self.source = resolve_model(config.model.model)
+        self.source = resolve_model(config.model.model, need_weights=config.model.load_format != "dummy")
         hf_config = load_hf_config(self.source)
         config = config.finalize(hf_config.max_position_embeddings)
         _check_sliding_window(hf_config, config.model.max_model_len)

@@ -66,8 +66,10 @@ def default_model_source() -> CheckpointSource:
     )
 
 
-def resolve_model(model: str | os.PathLike[str] | None) -> CheckpointSource:
-    """Turn a user's model argument into a checkpoint: None, a .gguf file or a local directory."""
+def resolve_model(model: str | os.PathLike[str] | None, *, need_weights: bool = True) -> CheckpointSource:
+    """Turn a user's model argument into a checkpoint: None, a .gguf file or a local directory.
+
+    need_weights=False accepts a directory with only config.json (random weights, benchmarks)."""
     if model is None:
         return default_model_source()
     path = Path(model).expanduser()
@@ -90,15 +92,15 @@ def resolve_model(model: str | os.PathLike[str] | None) -> CheckpointSource:
         return CheckpointSource(path=path.parent, gguf_file=path)
     if not path.is_dir():
         raise ModelLoadError(f"{path}: neither a file nor a directory")
-    return _resolve_dir(path)
+    return _resolve_dir(path, need_weights)
 
 
-def _resolve_dir(path: Path) -> CheckpointSource:
+def _resolve_dir(path: Path, need_weights: bool) -> CheckpointSource:
     files = [p for p in path.iterdir() if p.is_file()]
     has_config = (path / "config.json").is_file()
     safetensors = [p for p in files if p.suffix == ".safetensors"]
     ggufs = sorted(p for p in files if p.suffix.lower() == ".gguf")
-    if has_config and safetensors:
+    if has_config and (safetensors or not need_weights):
         return CheckpointSource(path=path)
     if len(ggufs) == 1:
         _refuse_split_gguf(ggufs[0])
