@@ -45,13 +45,15 @@ def save_tiny_checkpoint(name: str, directory: Path, seed: int = 0) -> torch.nn.
     torch.manual_seed(seed)
     config = SMOLLM2_SHAPE if name == "smollm2-shape" else TINY_CONFIGS[name]
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # larger than the default init, so logits are far from uniform
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
+    # Tiny models get larger weights than the default init, so logits are far from uniform.
+    matrix_std = 0.02 if name == "smollm2-shape" else 0.08
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if param_name.endswith("bias"):
                 p.normal_(0.0, 0.1)
             elif p.dim() == 1:  # norm weights
                 p.normal_(1.0, 0.1)
             else:
-                p.normal_(0.0, 0.08)
+                p.normal_(0.0, matrix_std)
     model.save_pretrained(directory)
     return model.eval()

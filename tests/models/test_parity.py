@@ -12,12 +12,22 @@ import torch
 from tiny_models import TINY_CONFIGS, save_tiny_checkpoint
 from tokenmill import LLM, SamplingParams
 
-# (device, dtype, relative tolerance): float32 on CPU must agree to 1e-4; bf16 on CUDA is
-# compared with the same float32 reference, so its tolerance covers bf16 rounding.
+# float32 on CPU must agree to 1e-4. bf16 on CUDA is held against the float32 reference with a
+# tolerance of twice the error transformers' own bf16 model makes on the same input.
 TARGETS = [
-    pytest.param("cpu", "float32", 1e-4, id="cpu-fp32"),
-    pytest.param("cuda", "bfloat16", 6e-2, id="cuda-bf16", marks=pytest.mark.gpu),
+    pytest.param("cpu", "float32", id="cpu-fp32"),
+    pytest.param("cuda", "bfloat16", id="cuda-bf16", marks=pytest.mark.gpu),
 ]
+
+
+def tolerance(hf_model: torch.nn.Module, prompt: list[int], dtype: str) -> float:
+    if dtype == "float32":
+        return 1e-4
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0]
+        low = hf_model.to("cuda", torch.bfloat16)(torch.tensor([prompt], device="cuda")).logits[0].float().cpu()
+    hf_model.to("cpu", torch.float32)
+    return max(2 * rel_err(low, ref), 1e-2)
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -26,21 +36,22 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 @contextmanager
 def capture_logits(llm: LLM) -> Iterator[list[torch.Tensor]]:
-    """Record every logits tensor the engine computes (one row per sampled request)."""
+    """Record the logits of every sampled row, eager or replayed from a CUDA graph."""
     seen: list[torch.Tensor] = []
-    model = llm.engine.runner.model
-    original = model.compute_logits
+    runner = llm.engine.runner
+    original = runner._logits
 
-    def recording(hidden: torch.Tensor) -> torch.Tensor:
-        logits = original(hidden)
-        seen.append(logits.detach().float().cpu())
+    def recording(inputs):
+        logits = original(inputs)
+        if logits is not None:
+            seen.append(logits.detach().float().cpu())
         return logits
 
-    model.compute_logits = recording  # type: ignore[method-assign]
+    runner._logits = recording  # type: ignore[method-assign]
     try:
         yield seen
     finally:
-        del model.compute_logits
+        del runner._logits
 
 
 def prefill_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
@@ -65,6 +76,7 @@ def check_parity(llm: LLM, hf_model: torch.nn.Module, prompt: list[int], steps: 
     ours = prefill_logits(llm, prompt)
     with torch.no_grad():
         ref = hf_model(torch.tensor([prompt])).logits[0]
+    print(f"parity: prefill relative error {rel_err(ours, ref):.2e} (tolerance {tol:.2e})")
     assert rel_err(ours, ref) < tol, f"prefill logits differ: {rel_err(ours, ref):.2e}"
 
     with capture_logits(llm) as seen:
@@ -80,16 +92,16 @@ def check_parity(llm: LLM, hf_model: torch.nn.Module, prompt: list[int], steps: 
             assert generated[i] == int(ref_step.argmax())
 
 
-@pytest.mark.parametrize(("device", "dtype", "tol"), TARGETS)
+@pytest.mark.parametrize(("device", "dtype"), TARGETS)
 @pytest.mark.parametrize("arch", list(TINY_CONFIGS))
-def test_tiny_model_logits_match_transformers(arch: str, device: str, dtype: str, tol: float, tmp_path: Path) -> None:
+def test_tiny_model_logits_match_transformers(arch: str, device: str, dtype: str, tmp_path: Path) -> None:
     hf_model = save_tiny_checkpoint(arch, tmp_path)
     # Block size 4 and a 6-token step budget: the prompt is prefilled in chunks across blocks.
     llm = LLM(str(tmp_path), device=device, dtype=dtype, block_size=4, max_num_batched_tokens=6,
               kv_cache_bytes=1 << 22)
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, hf_model.config.vocab_size, (23,), generator=generator).tolist()
-    check_parity(llm, hf_model, prompt, steps=20, tol=tol)
+    check_parity(llm, hf_model, prompt, steps=20, tol=tolerance(hf_model, prompt, dtype))
 
 
 @pytest.mark.slow
@@ -105,4 +117,4 @@ def test_smollm2_shaped_model_matches_transformers_cuda_bf16(tmp_path: Path) -> 
     hf_model = save_tiny_checkpoint("smollm2-shape", tmp_path)
     prompt = torch.randint(0, 49152, (57,), generator=torch.Generator().manual_seed(2)).tolist()
     llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", kv_cache_bytes=1 << 30)
-    check_parity(llm, hf_model, prompt, steps=20, tol=6e-2)
+    check_parity(llm, hf_model, prompt, steps=20, tol=tolerance(hf_model, prompt, "bfloat16"))

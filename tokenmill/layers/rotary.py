@@ -29,9 +29,11 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int, fused: bool = False) -> None:
         super().__init__()
         self.fused = fused
+        device = torch.empty(0).device  # where the model is being built
         inv_freq, scaling = rope_inv_freq(config, head_dim)
         # float32 throughout, exactly as transformers computes it.
-        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
+        inv_freq = inv_freq.to(device)
+        freqs = torch.arange(max_positions, dtype=torch.float, device=device)[:, None] * inv_freq[None, :]
         self.register_buffer("cos", (torch.cat((freqs, freqs), -1).cos() * scaling), persistent=False)
         self.register_buffer("sin", (torch.cat((freqs, freqs), -1).sin() * scaling), persistent=False)
 
