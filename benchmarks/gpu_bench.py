@@ -193,7 +193,7 @@ def main() -> None:
             rate, seconds = offline_throughput(llm, 32 if args.quick else 256)
             report(f"offline throughput ({seconds:.0f} s)", rate, "tok/s")
         if "hf" in only:
-            ours, theirs = same_workload_vs_transformers(llm, tmp, 16 if args.quick else 64)
+            ours, theirs = same_workload_vs_transformers(llm, tmp, 16)
             report("same workload: tokenmill", ours, "tok/s")
             report("same workload: HF generate_batch", theirs, "tok/s")
             report("tokenmill / HF generate_batch", ours / theirs, "x")
