@@ -10,6 +10,7 @@ import sys
 from tokenmill.bench.cli import register as register_bench
 from tokenmill.config import EngineConfig, add_engine_args
 from tokenmill.errors import TokenmillError
+from tokenmill.server.serve import register as register_serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="logging verbosity")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    register_serve(commands)
     _add_generate(commands)
     register_bench(commands)
     return parser

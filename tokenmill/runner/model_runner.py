@@ -222,7 +222,8 @@ class ModelRunner:
                 prompt_token_ids=r.prompt_token_ids,
                 output_token_ids=r.output_token_ids,
                 generator=r.generator,
-                banned_token_ids=r.banned_token_ids(),
+                # A grammar decides when the answer may end; min_tokens must not forbid its stop.
+                banned_token_ids=[] if r.grammar is not None else r.banned_token_ids(),
             )
             for r in sampling_requests
         ]

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (FastAPI): see app.py and serve.py."""

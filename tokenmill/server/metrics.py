@@ -1,0 +1,138 @@
+"""Prometheus metrics: per-request histograms observed as tokens arrive, and engine gauges and
+counters read from EngineStats when /metrics is scraped."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)
+_ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+    0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
+# Optional EngineStats fields for speculative decoding, exported when the engine has them.
+SPEC_FIELDS = {
+    "spec_num_drafts": "Speculative decoding: drafts proposed",
+    "spec_num_draft_tokens": "Speculative decoding: draft tokens proposed",
+    "spec_num_accepted_tokens": "Speculative decoding: draft tokens accepted",
+}
+
+
+class ServerMetrics:
+    """Owns a private registry so several servers can live in one process (tests)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        self.requests = Counter(
+            "tokenmill:request_success", "Finished requests by finish reason",
+            labels + ["finished_reason"], registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "tokenmill:time_to_first_token_seconds", "Time to first token", labels,
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.itl = Histogram(
+            "tokenmill:inter_token_latency_seconds", "Time between output steps of a request",
+            labels, buckets=_ITL_BUCKETS, registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "tokenmill:e2e_request_latency_seconds", "End-to-end request latency", labels,
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.prompt_len = Histogram(
+            "tokenmill:request_prompt_tokens", "Prompt tokens per request", labels,
+            buckets=_TOKEN_BUCKETS, registry=self.registry,
+        )
+        self.gen_len = Histogram(
+            "tokenmill:request_generation_tokens", "Generated tokens per request", labels,
+            buckets=_TOKEN_BUCKETS, registry=self.registry,
+        )
+        self._stats: Any = None
+        self.registry.register(_EngineStatsCollector(self))
+
+    # RequestMetricsSink (called from the engine thread; prometheus_client is thread-safe)
+    def on_tokens(self, now: float, previous: float | None, arrival: float) -> None:
+        if previous is None:
+            self.ttft.labels(self.model_name).observe(now - arrival)
+        else:
+            self.itl.labels(self.model_name).observe(now - previous)
+
+    def on_request_finished(
+        self, finish_reason: str, arrival: float, first_token: float | None, end: float,
+        num_prompt_tokens: int, num_generation_tokens: int,
+    ) -> None:
+        self.requests.labels(self.model_name, finish_reason).inc()
+        self.e2e.labels(self.model_name).observe(end - arrival)
+        if num_prompt_tokens:
+            self.prompt_len.labels(self.model_name).observe(num_prompt_tokens)
+        self.gen_len.labels(self.model_name).observe(num_generation_tokens)
+
+    def set_engine_stats(self, stats: Any) -> None:
+        self._stats = stats
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineStatsCollector:
+    def __init__(self, owner: ServerMetrics) -> None:
+        self.owner = owner
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Any:
+        stats, model = self.owner._stats, self.owner.model_name
+        if stats is None:
+            return
+
+        def get(name: str) -> float:
+            value = getattr(stats, name, 0)
+            return float(value) if isinstance(value, (int, float)) else 0.0
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([model], value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([model], value)
+            return family
+
+        yield gauge("tokenmill:num_requests_running", "Requests in the running batch", get("num_running"))
+        yield gauge("tokenmill:num_requests_waiting", "Requests waiting to be scheduled", get("num_waiting"))
+        used, total = get("kv_blocks_used"), get("kv_blocks_total")
+        yield gauge("tokenmill:kv_cache_blocks_used", "KV-cache blocks in use", used)
+        yield gauge("tokenmill:kv_cache_blocks_total", "KV-cache blocks in the pool", total)
+        yield gauge("tokenmill:kv_cache_usage_perc", "Fraction of KV-cache blocks in use", used / total if total else 0.0)
+        queries, hits = get("prefix_cache_queries"), get("prefix_cache_hits")
+        yield counter("tokenmill:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queries)
+        yield counter("tokenmill:prefix_cache_hits", "Prompt tokens found in the prefix cache", hits)
+        yield gauge("tokenmill:prefix_cache_hit_rate", "Prefix-cache hit rate (tokens, cumulative)", hits / queries if queries else 0.0)
+        yield counter("tokenmill:num_preemptions", "Requests preempted (cumulative)", get("num_preemptions"))
+        yield counter("tokenmill:prompt_tokens", "Prompt tokens processed", get("num_prompt_tokens"))
+        yield counter("tokenmill:generation_tokens", "Tokens generated", get("num_generation_tokens"))
+        for name, doc in SPEC_FIELDS.items():
+            yield counter(f"tokenmill:{name}", doc, get(name))
+        per_pos = getattr(stats, "spec_num_accepted_tokens_per_pos", None)
+        family = CounterMetricFamily(
+            "tokenmill:spec_num_accepted_tokens_per_pos",
+            "Speculative decoding: accepted draft tokens by draft position",
+            labels=["model_name", "position"],
+        )
+        for pos, value in enumerate(per_pos or []):
+            family.add_metric([model, str(pos)], float(value))
+        yield family

@@ -1,0 +1,203 @@
+"""POST /v1/completions: text or token-id prompts (one or a batch), n samples each, echo."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tokenmill.errors import InvalidRequestError
+from tokenmill.server.async_engine import ChildRequest, RequestStream
+from tokenmill.server.protocol import CompletionRequest
+from tokenmill.server.serving import (
+    SSE_DONE,
+    ServerState,
+    build_sampling_params,
+    completion_logprobs,
+    error_body,
+    new_request_id,
+    sse,
+    sse_with_disconnect,
+    structured_from_request,
+    unless_disconnected,
+)
+
+MAX_PROMPTS = 256
+MAX_SEQUENCES = 1024  # prompts x n in one request
+
+
+@dataclass
+class _Prompt:
+    ids: list[int]
+    text: str
+
+
+@dataclass
+class _Plan:
+    request_id: str
+    model: str
+    prompts: list[_Prompt]
+    n: int
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _prompts(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
+    raw = req.prompt
+    if isinstance(raw, str):
+        items: list[str | list[int]] = [raw]
+    elif raw and all(isinstance(x, int) for x in raw):
+        items = [list(raw)]  # type: ignore[arg-type]
+    else:
+        items = list(raw)  # type: ignore[arg-type]
+    if len(items) > MAX_PROMPTS:
+        raise InvalidRequestError(f"at most {MAX_PROMPTS} prompts per request")
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise InvalidRequestError("the prompt is empty")
+            ids = list(state.tokenizer.encode(item, add_special_tokens=req.add_special_tokens))
+            prompts.append(_Prompt(ids, item))
+        else:
+            if not item:
+                raise InvalidRequestError("the prompt is empty")
+            state.check_token_ids(item, "the prompt")
+            text = state.tokenizer.decode(item) if req.echo else ""
+            prompts.append(_Prompt(list(item), text))
+    return prompts
+
+
+async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Any:
+    model = state.check_model(req.model)
+    structured = structured_from_request(req)
+    if structured is not None:
+        await state.check_structured(structured)
+    prompts = _prompts(state, req)
+    n = req.n or 1
+    if len(prompts) * n > MAX_SEQUENCES:
+        raise InvalidRequestError(f"prompts x n may be at most {MAX_SEQUENCES}, got {len(prompts) * n}")
+    children = []
+    for prompt in prompts:
+        params = build_sampling_params(
+            state, req, max_tokens=16 if req.max_tokens is None else req.max_tokens,
+            prompt_len=len(prompt.ids), logprobs=req.logprobs, structured=structured,
+        )
+        children += [ChildRequest(prompt.ids, params.for_child(i)) for i in range(n)]
+    plan = _Plan(new_request_id("cmpl"), model, prompts, n)
+    stream = await state.engine.submit(plan.request_id, children, priority=req.priority, cache_salt=req.cache_salt)
+    if req.stream:
+        return StreamingResponse(
+            sse_with_disconnect(raw, stream, _stream_events(state, req, plan, stream)),
+            media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    body = await unless_disconnected(raw, stream, _full_response(state, req, plan, stream))
+    return JSONResponse(body)
+
+
+@dataclass
+class _Choice:
+    prompt: _Prompt
+    started: bool = False
+    offset: int = 0
+    num_tokens: int = 0
+    pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[Any] = field(default_factory=list)
+
+
+def _echo(req: CompletionRequest, choice: _Choice) -> tuple[str, list[int], list[Any]]:
+    """The echoed prompt text and, for logprobs, its tokens (which have no log-probabilities)."""
+    if not req.echo:
+        return "", [], []
+    return choice.prompt.text, list(choice.prompt.ids), [None] * len(choice.prompt.ids)
+
+
+def _usage(plan: _Plan, choices: list[_Choice]) -> dict[str, int]:
+    prompt = sum(len(p.ids) for p in plan.prompts)
+    completion = sum(c.num_tokens for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _stream_events(state: ServerState, req: CompletionRequest, plan: _Plan, stream: RequestStream):
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    choices = [_Choice(p) for p in plan.prompts for _ in range(plan.n)]
+    base = {"id": plan.request_id, "object": "text_completion", "created": plan.created, "model": plan.model}
+    try:
+        async for index, output in stream:
+            choice = choices[index]
+            completion = output.outputs[0]
+            choice.pending_ids += completion.token_ids
+            choice.num_tokens += len(completion.token_ids)
+            if req.logprobs is not None:
+                choice.pending_logprobs += completion.logprobs or [{}] * len(completion.token_ids)
+            text = completion.text
+            if not (text or output.finished):
+                continue  # nothing visible yet: the ids ride with the next chunk
+            first = not choice.started
+            choice.started = True
+            item: dict[str, Any] = {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+            ids, rows = choice.pending_ids, choice.pending_logprobs
+            if first:
+                echo_text, echo_ids, echo_rows = _echo(req, choice)
+                item["text"] = echo_text + text
+                ids, rows = echo_ids + ids, echo_rows + rows
+            if req.logprobs is not None:
+                item["logprobs"], choice.offset = completion_logprobs(
+                    state, ids, rows, req.logprobs, choice.offset)
+            if output.finished:
+                item["finish_reason"] = completion.finish_reason
+                item["stop_reason"] = completion.stop_reason
+            if req.return_token_ids:
+                item["token_ids"] = choice.pending_ids
+                if first:
+                    item["prompt_token_ids"] = choice.prompt.ids
+            choice.pending_ids, choice.pending_logprobs = [], []
+            chunk = {**base, "choices": [item]}
+            if continuous:
+                chunk["usage"] = _usage(plan, choices)
+            yield sse(chunk)
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": _usage(plan, choices)})
+        yield SSE_DONE
+    except Exception as exc:  # noqa: BLE001 - the engine died mid-stream: say so in-band
+        yield sse(error_body(f"the request failed: {exc}", 500, type="server_error"))
+        yield SSE_DONE
+
+
+async def _full_response(state: ServerState, req: CompletionRequest, plan: _Plan, stream: RequestStream) -> dict[str, Any]:
+    choices = [_Choice(p) for p in plan.prompts for _ in range(plan.n)]
+    texts = [""] * len(choices)
+    ids: list[list[int]] = [[] for _ in choices]
+    rows: list[list[Any]] = [[] for _ in choices]
+    finish: list[Any] = [None] * len(choices)
+    stop_reason: list[Any] = [None] * len(choices)
+    async for index, output in stream:
+        completion = output.outputs[0]
+        texts[index] += completion.text
+        ids[index] += completion.token_ids
+        choices[index].num_tokens += len(completion.token_ids)
+        if req.logprobs is not None:
+            rows[index] += completion.logprobs or [{}] * len(completion.token_ids)
+        if output.finished:
+            finish[index], stop_reason[index] = completion.finish_reason, completion.stop_reason
+    out = []
+    for index, choice in enumerate(choices):
+        echo_text, echo_ids, echo_rows = _echo(req, choice)
+        item: dict[str, Any] = {
+            "index": index, "text": echo_text + texts[index], "logprobs": None,
+            "finish_reason": finish[index], "stop_reason": stop_reason[index],
+        }
+        if req.logprobs is not None:
+            item["logprobs"], _ = completion_logprobs(
+                state, echo_ids + ids[index], echo_rows + rows[index], req.logprobs, 0)
+        if req.return_token_ids:
+            item["prompt_token_ids"] = choice.prompt.ids
+            item["token_ids"] = ids[index]
+        out.append(item)
+    return {
+        "id": plan.request_id, "object": "text_completion", "created": plan.created,
+        "model": plan.model, "choices": out, "usage": _usage(plan, choices),
+    }
