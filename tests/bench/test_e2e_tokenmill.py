@@ -4,7 +4,6 @@ reads a JSON the real llama-benchy wrote against the same server."""
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import subprocess
@@ -25,18 +24,11 @@ START_TIMEOUT_S = 300
 
 
 def server_command(port: int) -> list[str]:
-    """`python -m tokenmill.cli serve` once the top-level CLI has it, else the server's own entry."""
-    from tokenmill import cli
-
-    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    module = "tokenmill.cli" if "serve" in sub.choices else "tokenmill.server.serve"
-    return [sys.executable, "-m", module, "serve", "--host", "127.0.0.1", "--port", str(port)]
+    return [sys.executable, "-m", "tokenmill.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
 
 
 @pytest.fixture(scope="module")
 def tokenmill_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if importlib.util.find_spec("tokenmill.server.serve") is None:
-        pytest.skip("tokenmill's server is not there yet")
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     with open(log, "w") as out:

@@ -1,5 +1,5 @@
 """Starting real tokenmill servers for tests: in-process (uvicorn in a thread) on a free
-loopback port, or as a `python -m tokenmill.server.serve` subprocess."""
+loopback port, or as a `tokenmill serve` subprocess."""
 
 from __future__ import annotations
 
@@ -107,12 +107,12 @@ class ServerProcess:
 
 
 def spawn_server(args: list[str], log_path: str, *, timeout: float = 240) -> ServerProcess:
-    """`python -m tokenmill.server.serve serve ARGS` on a free port; waits for /health."""
+    """`python -m tokenmill.cli serve ARGS` on a free port; waits for /health."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     with open(log_path, "w", encoding="utf-8") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenmill.server.serve", "serve", "--host", "127.0.0.1", "--port", str(port),
+            [sys.executable, "-m", "tokenmill.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
              "--device", "cpu", *args],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )

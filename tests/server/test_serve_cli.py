@@ -36,7 +36,7 @@ def proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 
 def test_help_lists_every_flag() -> None:
-    out = subprocess.run([sys.executable, "-m", "tokenmill.server.serve", "serve", "--help"],
+    out = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--help"],
                          capture_output=True, text=True, timeout=120, check=True).stdout
     for flag in ("--host", "--port", "--api-key", "--served-model-name", "--max-model-len", "--max-num-seqs",
                  "--chat-template", "--tool-call-parser", "--reasoning-parser", "--enable-prefix-caching",

@@ -15,8 +15,8 @@ to the device without blocking. `Sampler.forward` never reads a tensor value on 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import chain
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 import torch

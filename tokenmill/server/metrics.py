@@ -121,7 +121,8 @@ class _EngineStatsCollector:
         queries, hits = get("prefix_cache_queries"), get("prefix_cache_hits")
         yield counter("tokenmill:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queries)
         yield counter("tokenmill:prefix_cache_hits", "Prompt tokens found in the prefix cache", hits)
-        yield gauge("tokenmill:prefix_cache_hit_rate", "Prefix-cache hit rate (tokens, cumulative)", hits / queries if queries else 0.0)
+        hit_rate = hits / queries if queries else 0.0
+        yield gauge("tokenmill:prefix_cache_hit_rate", "Prefix-cache hit rate (tokens, cumulative)", hit_rate)
         yield counter("tokenmill:num_preemptions", "Requests preempted (cumulative)", get("num_preemptions"))
         yield counter("tokenmill:prompt_tokens", "Prompt tokens processed", get("num_prompt_tokens"))
         yield counter("tokenmill:generation_tokens", "Tokens generated", get("num_generation_tokens"))

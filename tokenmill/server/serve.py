@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 from typing import Any
 
 from tokenmill.server.reasoning import REASONING_PARSERS
@@ -113,22 +112,3 @@ def run_server(args: argparse.Namespace) -> int:
     server = build_server(args)
     server.run()  # uvicorn handles SIGINT/SIGTERM: stop accepting, drain, lifespan shutdown
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tokenmill")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from tokenmill.errors import TokenmillError
-
-    try:
-        return args.handler(args)
-    except TokenmillError as error:
-        print(f"tokenmill: error: {error}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -220,7 +220,9 @@ def _usage(plan: _Plan, choices: list[_Choice], cached: int) -> dict[str, Any]:
     return usage
 
 
-async def _full_response(state: ServerState, req: ChatCompletionRequest, plan: _Plan, stream: RequestStream, n: int) -> dict[str, Any]:
+async def _full_response(
+    state: ServerState, req: ChatCompletionRequest, plan: _Plan, stream: RequestStream, n: int
+) -> dict[str, Any]:
     texts = [""] * n
     ids: list[list[int]] = [[] for _ in range(n)]
     logprobs: list[list[dict[int, float]]] = [[] for _ in range(n)]
