@@ -39,11 +39,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-    exact = LLM(device=args.device, kv_cache_bytes=1 << 28)
+    exact = LLM(device=args.device, kv_cache_bytes=1 << 28, max_model_len=1024)
     baseline = [o.outputs[0].token_ids for o in exact.generate(PROMPTS, params)]
     dtype = exact.engine.config.model.dtype
     del exact
-    fp8 = LLM(device=args.device, kv_cache_bytes=1 << 28, kv_cache_dtype="fp8")
+    fp8 = LLM(device=args.device, kv_cache_bytes=1 << 28, max_model_len=1024, kv_cache_dtype="fp8")
     quantized = [o.outputs[0].token_ids for o in fp8.generate(PROMPTS, params)]
 
     changed_prompts = total_changed = 0

@@ -75,11 +75,65 @@ class ParallelConfig:
     """GPUs one model is split over (only 1 is supported yet)."""
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Placeholder for speculative decoding; no method is implemented yet."""
+    """Speculative decoding, given as `--speculative-config '{"method": "ngram", ...}'` (vLLM's keys)."""
 
     method: str | None = None
+    """ngram (prompt lookup) or draft_model; None = off."""
+    num_speculative_tokens: int = 4
+    """Drafts proposed per step (gamma)."""
+    model: str | None = None
+    """The draft model (HF directory or GGUF with the target's tokenizer), for draft_model."""
+    verification: str = "token"
+    """token (rejection sampling) or block (Sun et al.; never accepts fewer)."""
+    draft_sampling: str = "probabilistic"
+    """probabilistic (draws from q, recorded exactly) or greedy (one-hot q)."""
+    draft_vocab: str | None = None
+    """File of token ids (.txt, .txt.gz, .npy) the draft head is restricted to."""
+    draft_kv_cache_dtype: str = AUTO
+    """auto = the draft model's dtype; fp8."""
+    prompt_lookup_min: int = 1
+    """Shortest suffix n-gram the ngram proposer matches."""
+    prompt_lookup_max: int = 4
+    """Longest suffix n-gram the ngram proposer matches."""
+
+    @classmethod
+    def from_json(cls, text: str | None) -> SpeculativeConfig:
+        import json
+
+        if not text:
+            return cls()
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"--speculative-config is not valid JSON: {error}") from None
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"--speculative-config has unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+    def check(self) -> None:
+        if self.method is None:
+            return
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"speculative method {self.method!r} is unknown; use one of {', '.join(SPEC_METHODS)}")
+        if self.method == "draft_model" and not self.model:
+            raise ConfigError('the draft_model method needs "model": a draft checkpoint with the target\'s tokenizer')
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError("num_speculative_tokens must be in 1..16")
+        if self.verification not in ("token", "block"):
+            raise ConfigError(f"verification must be token or block, not {self.verification!r}")
+        if self.draft_sampling not in ("probabilistic", "greedy"):
+            raise ConfigError(f"draft_sampling must be probabilistic or greedy, not {self.draft_sampling!r}")
+        if self.draft_kv_cache_dtype not in (AUTO, "fp8"):
+            raise ConfigError(f"draft_kv_cache_dtype must be auto or fp8, not {self.draft_kv_cache_dtype!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
 
 
 @dataclass(frozen=True)
@@ -103,8 +157,7 @@ class EngineConfig:
             raise ConfigError(f"unknown --device {device!r}; use cpu, cuda or auto")
         if self.parallel.tensor_parallel_size != 1:
             raise ConfigError("--tensor-parallel-size > 1 is not supported yet; use 1")
-        if self.speculative.method is not None:
-            raise ConfigError("speculative decoding is not implemented yet; remove --speculative-config")
+        self.speculative.check()
 
         dtype = self.model.dtype
         if dtype == AUTO:
@@ -143,8 +196,11 @@ class EngineConfig:
             raise ConfigError("--max-num-seqs and --max-num-batched-tokens must be positive")
 
         async_scheduling = sched.async_scheduling
+        speculating = self.speculative.method is not None
+        if async_scheduling and speculating:
+            raise ConfigError("--async-scheduling cannot be combined with speculative decoding yet; drop one")
         if async_scheduling is None:
-            async_scheduling = device.startswith("cuda")
+            async_scheduling = device.startswith("cuda") and not speculating
         return replace(
             self,
             model=replace(self.model, dtype=dtype, max_model_len=max_len),
@@ -168,6 +224,7 @@ class EngineConfig:
             cache=section(CacheConfig),
             scheduler=replace(section(SchedulerConfig), policy=args.scheduling_policy),
             parallel=section(ParallelConfig),
+            speculative=SpeculativeConfig.from_json(getattr(args, "speculative_config", None)),
             enforce_eager=args.enforce_eager,
         )
 
@@ -218,6 +275,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="fcfs, or priority: lower request priority value first, then arrival")
     s.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="prepare the next step while the GPU runs this one (default: on with CUDA)")
+
+    sp = parser.add_argument_group("speculative decoding")
+    sp.add_argument("--speculative-config", default=None, metavar="JSON",
+                    help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or \'{"method": "draft_model", '
+                         '"model": "path", "verification": "block", "draft_sampling": "greedy", "draft_vocab": '
+                         '"ids.txt.gz"}\'; keys as in tokenmill/config.py SpeculativeConfig')
 
     p = parser.add_argument_group("device")
     p.add_argument("--device", default=AUTO, help="cuda, cpu or auto")

@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -108,6 +108,10 @@ def _apply_overrides(config: EngineConfig, overrides: dict[str, Any]) -> EngineC
     for key, value in overrides.items():
         if key == "enforce_eager":
             config = replace(config, enforce_eager=value)
+            continue
+        if key == "speculative_config":
+            spec = value if isinstance(value, SpeculativeConfig) else SpeculativeConfig(**value)
+            config = replace(config, speculative=spec)
             continue
         for section, kind in sections.items():
             if key in kind.__dataclass_fields__:

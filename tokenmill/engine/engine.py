@@ -20,6 +20,8 @@ from tokenmill.models.loader import load_hf_config, load_tokenizer, resolve_mode
 from tokenmill.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from tokenmill.runner.model_runner import ModelRunner, StepOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec.proposers import DraftModel, build_proposer
+from tokenmill.spec.stats import SpecStats
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,10 @@ class EngineStats:
     num_preemptions: int
     num_prompt_tokens: int  # tokens computed for prompts (cache hits excluded)
     num_generation_tokens: int
+    spec_num_drafts: int
+    spec_num_draft_tokens: int
+    spec_num_accepted_tokens: int
+    spec_num_accepted_tokens_per_pos: list[int]
 
 
 class LLMEngine:
@@ -50,7 +56,10 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.source)
         self.model_name = config.model.model or self.source.name
         torch.manual_seed(config.model.seed)
-        self.runner = ModelRunner(config, hf_config, self.source)
+        draft = DraftModel(config) if config.speculative.method == "draft_model" else None
+        self.runner = ModelRunner(
+            config, hf_config, self.source, extra_kv_bytes_per_block=draft.kv_bytes_per_block() if draft else 0
+        )
         self.config = config.with_num_blocks(self.runner.num_blocks)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
@@ -63,6 +72,8 @@ class LLMEngine:
         self._structured_output: StructuredOutputManager | None = None
         self.async_scheduling = self.config.scheduler.async_scheduling
         self._in_flight: StepOutput | None = None
+        self.spec_stats = SpecStats()
+        self.proposer = build_proposer(self.config, self.runner, self.kv, draft)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -141,7 +152,7 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.scheduler.abort(request)
-            self.detokenizers.pop(request_id, None)
+            self._forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -160,6 +171,8 @@ class LLMEngine:
         if self._in_flight is not None and (not self.async_scheduling or self._needs_host_tokens()):
             outputs += self._resolve(self._in_flight)
             self._in_flight = None
+        if self.proposer is not None:
+            self._propose()
         batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch.requests else None
         if self._in_flight is not None:
@@ -169,6 +182,19 @@ class LLMEngine:
             outputs += self._resolve(launched)
             self._in_flight = None
         return outputs
+
+    def _propose(self) -> None:
+        """Drafts for every decoding request, capped by what max_tokens and the context allow."""
+        gamma = self.config.speculative.num_speculative_tokens
+        max_len = self.config.model.max_model_len
+        decoding, limits = [], []
+        for request in self.scheduler.running:
+            limit = min(gamma, request.max_tokens - request.num_output_tokens - 1, max_len - request.num_tokens)
+            if request.num_computed_tokens == request.num_tokens - 1 and request.grammar is None and limit > 0:
+                decoding.append(request)
+                limits.append(limit)
+        if decoding:
+            self.proposer.propose(decoding, limits)
 
     def _needs_host_tokens(self) -> bool:
         return any(r.params.uses_penalties or r.grammar is not None for r in self.scheduler.running)
@@ -186,49 +212,64 @@ class LLMEngine:
 
     def _resolve(self, step: StepOutput) -> list[RequestOutput]:
         step.wait()
-        token_ids = step.host_token_ids.tolist()
-        logprob_rows = _logprob_rows(step)
         outputs = []
-        for request, token_id, logprobs in zip(step.requests, token_ids, logprob_rows):
+        for request, tokens, logprobs in zip(step.requests, step.token_lists(), _logprob_rows(step)):
             request.num_placeholders -= 1
+            # Rejected drafts: their KV was written but is not part of the sequence.
+            request.num_computed_tokens -= len(request.draft_token_ids) - (len(tokens) - 1)
+            request.draft_num_computed = min(request.draft_num_computed, request.num_computed_tokens)
+            self.spec_stats.record(len(request.draft_token_ids), len(tokens) - 1)
+            request.drop_drafts()
             if request.is_finished:  # aborted, or ended while this step was in flight
                 continue
-            outputs.append(self._append_token(request, token_id, logprobs))
+            outputs.append(self._append_tokens(request, tokens, logprobs))
         return outputs
 
-    def _append_token(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> RequestOutput:
-        request.append_output(token_id)
-        self._generated_tokens += 1
-        if logprobs is not None:
-            request.output_logprobs.append(logprobs)
-        request.check_stop_token()
-        if request.grammar is not None:
-            request.grammar.accept_token(token_id)
-            if request.grammar.is_terminated() and not request.is_finished:
-                request.finish("stop")
-        text = ""
+    def _append_tokens(self, request: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None) -> RequestOutput:
+        """Append a step's tokens (one, or accepted drafts plus one) until the request stops."""
+        text_pieces: list[str] = []
+        appended: list[int] = []
         detokenizer = self.detokenizers.get(request.request_id)
-        if detokenizer is not None:
-            # A stop token (EOS or stop_token_ids) ends the answer without entering its text.
-            stopped_by_token = request.finish_reason == "stop"
-            text = "" if stopped_by_token else detokenizer.append([token_id])
-            if detokenizer.stop_reason is not None and not request.is_finished:
-                request.finish("stop", detokenizer.stop_reason)
-            elif request.is_finished:
-                text += detokenizer.finish()
-        output = self._delta(request, token_id, text, logprobs)
+        for token_id in tokens:
+            request.append_output(token_id)
+            appended.append(token_id)
+            self._generated_tokens += 1
+            request.check_stop_token()
+            if request.grammar is not None:
+                request.grammar.accept_token(token_id)
+                if request.grammar.is_terminated() and not request.is_finished:
+                    request.finish("stop")
+            if detokenizer is not None:
+                # A stop token (EOS or stop_token_ids) ends the answer without entering its text.
+                if request.finish_reason != "stop":
+                    text_pieces.append(detokenizer.append([token_id]))
+                if detokenizer.stop_reason is not None and not request.is_finished:
+                    request.finish("stop", detokenizer.stop_reason)
+                elif request.is_finished:
+                    text_pieces.append(detokenizer.finish())
+            if request.is_finished:
+                break
+        kept_logprobs = None if logprobs is None else logprobs[: len(appended)]
+        if kept_logprobs:
+            request.output_logprobs.extend(kept_logprobs)
+        output = self._delta(request, appended, "".join(text_pieces), kept_logprobs)
         if request.is_finished:
             self.scheduler.release(request)
             del self.requests[request.request_id]
-            self.detokenizers.pop(request.request_id, None)
+            self._forget(request.request_id)
         return output
 
-    def _delta(self, request: Request, token_id: int, text: str, logprobs: TokenLogprobs | None) -> RequestOutput:
+    def _forget(self, request_id: str) -> None:
+        self.detokenizers.pop(request_id, None)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
+
+    def _delta(self, request: Request, token_ids: list[int], text: str, logprobs: list[TokenLogprobs] | None) -> RequestOutput:
         completion = CompletionOutput(
             index=0,
             text=text,
-            token_ids=[token_id],
-            logprobs=None if logprobs is None else [logprobs],
+            token_ids=token_ids,
+            logprobs=logprobs,
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
         )
@@ -253,6 +294,10 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self._computed_prompt_tokens,
             num_generation_tokens=self._generated_tokens,
+            spec_num_drafts=self.spec_stats.num_drafts,
+            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_num_accepted_tokens_per_pos=list(self.spec_stats.accepted_per_position),
         )
 
     def request_status(self, request_id: str) -> RequestStatus | None:
@@ -260,22 +305,26 @@ class LLMEngine:
         return None if request is None else request.status
 
 
-def _logprob_rows(step: StepOutput) -> list[TokenLogprobs | None]:
+def _logprob_rows(step: StepOutput) -> list[list[TokenLogprobs] | None]:
+    """Per request, one entry per emitted token: that token's logprob first, then the top-k."""
     if step.host_logprobs is None:
         return [None] * len(step.requests)
-    ids = step.host_logprob_ids.tolist()
-    values = step.host_logprobs.tolist()
-    rows: list[TokenLogprobs | None] = []
-    for request, row_ids, row_values in zip(step.requests, ids, values):
+    ids, values = step.host_logprob_ids.tolist(), step.host_logprobs.tolist()
+    if step.host_num_accepted is None:  # one token per request: [B, 1 + k] -> [B, 1, 1 + k]
+        ids, values = [[row] for row in ids], [[row] for row in values]
+    rows: list[list[TokenLogprobs] | None] = []
+    for request, request_ids, request_values in zip(step.requests, ids, values):
         k = request.params.logprobs
         if k is None:
             rows.append(None)
             continue
-        # The sampled token first, then the top-k (a dict keeps the first occurrence's place).
-        entry: TokenLogprobs = {row_ids[0]: row_values[0]}
-        for token, value in zip(row_ids[1 : 1 + k], row_values[1 : 1 + k]):
-            entry.setdefault(token, value)
-        rows.append(entry)
+        entries = []
+        for row_ids, row_values in zip(request_ids, request_values):
+            entry: TokenLogprobs = {row_ids[0]: row_values[0]}  # a dict keeps the first occurrence's place
+            for token, value in zip(row_ids[1 : 1 + k], row_values[1 : 1 + k]):
+                entry.setdefault(token, value)
+            entries.append(entry)
+        rows.append(entries)
     return rows
 
 

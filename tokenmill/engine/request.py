@@ -46,6 +46,11 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)  # prompt + outputs known on the host
     num_placeholders: int = 0
+    # Speculative decoding: tokens proposed after the last known one, verified by the next step,
+    # and the distribution each was drawn from ([d, V]; None = one-hot, as greedy or n-gram).
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+    draft_num_computed: int = 0  # positions of a draft model's cache that hold this request's tokens
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
@@ -62,6 +67,14 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids) + self.num_placeholders
+
+    @property
+    def num_tokens_with_drafts(self) -> int:
+        return self.num_tokens + len(self.draft_token_ids)
+
+    def drop_drafts(self) -> None:
+        self.draft_token_ids = []
+        self.draft_probs = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -98,9 +111,10 @@ class Request:
         if n_out >= self.max_tokens:
             self.finish("length")
 
-    def banned_token_ids(self) -> list[int]:
-        """Tokens that may not be sampled now: stop tokens and EOS while below min_tokens."""
-        if self.num_output_tokens >= self.params.min_tokens:
+    def banned_token_ids(self, extra_outputs: int = 0) -> list[int]:
+        """Tokens that may not be sampled now (or after `extra_outputs` more tokens, as at a
+        draft position): stop tokens and EOS while below min_tokens."""
+        if self.num_output_tokens + extra_outputs >= self.params.min_tokens:
             return []
         banned = list(self.params.stop_token_ids)
         if not self.params.ignore_eos:

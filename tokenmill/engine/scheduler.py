@@ -43,8 +43,10 @@ class ScheduledBatch:
         return self.num_new_tokens.pop(i)
 
     def sampling_requests(self) -> list[Request]:
-        """Requests whose step computes their last token, so their next token is sampled."""
-        return [r for r, n in zip(self.requests, self.num_new_tokens) if r.num_computed_tokens + n == r.num_tokens]
+        """Requests whose step computes their last token (and drafts), so their next token is sampled."""
+        return [
+            r for r, n in zip(self.requests, self.num_new_tokens) if r.num_computed_tokens + n == r.num_tokens_with_drafts
+        ]
 
 
 class Scheduler:
@@ -79,7 +81,10 @@ class Scheduler:
             if request.reached_max_tokens:  # its last token is in flight; it ends when resolved
                 i += 1
                 continue
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = min(request.num_tokens_with_drafts - request.num_computed_tokens, budget)
+            if n < request.num_tokens_with_drafts - request.num_computed_tokens:
+                request.drop_drafts()  # drafts are verified whole or not at all
+                n = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, n):
                 victim = self._pick_victim()
                 if victim in batch.requests:
@@ -137,6 +142,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        request.drop_drafts()
+        request.draft_num_computed = 0
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED

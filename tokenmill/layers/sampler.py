@@ -10,6 +10,9 @@ Order per step (as vLLM v1):
 Everything per-request lives in `SamplingMetadata`, built once per step on the host and copied
 to the device without blocking. `Sampler.forward` never reads a tensor value on the host
 (no .item()/.tolist()/.cpu()/nonzero/boolean indexing), so sampled ids can stay on the GPU.
+
+Steps 2-5 live in `process_logits`, shared by `Sampler.forward` and `processed_probs` (the exact
+distribution sampled from, which speculative verification uses as the target p).
 """
 
 from __future__ import annotations
@@ -195,45 +198,79 @@ class Sampler(torch.nn.Module):
     """logits [N, V] (any float dtype) -> sampled ids; computes in float32, never syncs."""
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        if logits.shape != (metadata.num_rows, metadata.vocab_size):
-            raise ValueError(
-                f"logits of shape {tuple(logits.shape)} do not match the sampling metadata "
-                f"({metadata.num_rows} rows, vocab size {metadata.vocab_size})"
-            )
+        _check_shape(logits, metadata)
         # A private float32 copy: the caller's logits are never modified.
         logits = logits.to(dtype=torch.float32, copy=True)
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
-        if metadata.banned_flat_ids is not None:
-            logits.view(-1).index_fill_(0, metadata.banned_flat_ids, float("-inf"))
-        if metadata.penalties is not None:
-            logits = apply_penalties(logits, metadata.penalties)
-
-        if metadata.all_greedy:
-            sampled = logits.argmax(dim=-1)
-        elif metadata.all_random:
-            sampled = self._sample_random(logits, metadata)
+        greedy_ids, probs = process_logits(logits, metadata)
+        if probs is None:
+            assert greedy_ids is not None
+            sampled = greedy_ids
         else:
-            assert metadata.greedy_mask is not None
-            greedy = logits.argmax(dim=-1)  # before the random path edits logits in place
-            sampled = torch.where(metadata.greedy_mask, greedy, self._sample_random(logits, metadata))
+            sampled = exponential_argmax(probs, metadata.generators)
+            if greedy_ids is not None:
+                assert metadata.greedy_mask is not None
+                sampled = torch.where(metadata.greedy_mask, greedy_ids, sampled)
 
         if raw_logprobs is None:
             return SamplerOutput(sampled, None, None)
         token_ids, logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled, token_ids, logprobs)
 
-    @staticmethod
-    def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        assert metadata.temperature is not None
-        logits = logits.div_(metadata.temperature)
-        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, metadata.max_top_k)
-        if metadata.min_p is not None:
-            logits = apply_min_p(logits, metadata.min_p)
-        probs = torch.softmax(logits, dim=-1)
-        return exponential_argmax(probs, metadata.generators)
+
+def process_logits(
+    logits: torch.Tensor, metadata: SamplingMetadata
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The one processing path shared by `Sampler` and `processed_probs`.
+
+    `logits` is a private float32 [N, V] copy (edited in place). Returns (greedy_ids, probs):
+    greedy_ids [N] is the argmax after bans and penalties (None when every row is random);
+    probs [N, V] float32 is the distribution random rows sample from, after temperature, top-k,
+    top-p and min-p (None when every row is greedy; greedy rows of a mixed batch hold an unused
+    temperature-1 distribution there).
+    """
+    if metadata.banned_flat_ids is not None:
+        logits.view(-1).index_fill_(0, metadata.banned_flat_ids, float("-inf"))
+    if metadata.penalties is not None:
+        logits = apply_penalties(logits, metadata.penalties)
+    if metadata.all_greedy:
+        return logits.argmax(dim=-1), None
+    # Greedy ids before the random path edits logits in place.
+    greedy_ids = None if metadata.all_random else logits.argmax(dim=-1)
+    assert metadata.temperature is not None
+    logits = logits.div_(metadata.temperature)
+    logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, metadata.max_top_k)
+    if metadata.min_p is not None:
+        logits = apply_min_p(logits, metadata.min_p)
+    return greedy_ids, torch.softmax(logits, dim=-1)
+
+
+def processed_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """[N, V] float32: exactly the distribution `Sampler` samples each row from (bans, penalties,
+    temperature, top-k, top-p, min-p applied; greedy rows one-hot at their argmax). This is the
+    target distribution p that speculative verification needs. Never syncs; logits untouched."""
+    _check_shape(logits, metadata)
+    greedy_ids, probs = process_logits(logits.to(dtype=torch.float32, copy=True), metadata)
+    if greedy_ids is None:
+        assert probs is not None
+        return probs
+    one_hot = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    one_hot.scatter_(1, greedy_ids.unsqueeze(1), 1.0)
+    if probs is None:
+        return one_hot
+    assert metadata.greedy_mask is not None
+    return torch.where(metadata.greedy_mask.unsqueeze(1), one_hot, probs)
+
+
+def _check_shape(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    if logits.shape != (metadata.num_rows, metadata.vocab_size):
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)} do not match the sampling metadata "
+            f"({metadata.num_rows} rows, vocab size {metadata.vocab_size})"
+        )
 
 
 def apply_penalties(logits: torch.Tensor, p: PenaltyTensors) -> torch.Tensor:

@@ -17,6 +17,7 @@ from tokenmill.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, S
 from tokenmill.models.llama import LlamaForCausalLM, head_dim_of
 from tokenmill.models.loader import CheckpointSource, iter_weights
 from tokenmill.models.registry import model_class
+from tokenmill.runner.batch import Chunk, pack, to_device
 from tokenmill.runner.cuda_graphs import DecodeGraphs
 from tokenmill.runner.memory import kv_cache_budget, plan_num_blocks
 from tokenmill.sampling_params import SamplingParams
@@ -33,10 +34,17 @@ class StepOutput:
 
     requests: list[Request]  # one per sampled row
     sampled: SamplerOutput  # device tensors (the next step may read token ids from here)
-    host_token_ids: torch.Tensor
-    host_logprob_ids: torch.Tensor | None
+    host_token_ids: torch.Tensor  # [B], or [B, G + 1] after verifying drafts
+    host_logprob_ids: torch.Tensor | None  # [B, 1 + k], or [B, G + 1, 1 + k]
     host_logprobs: torch.Tensor | None
     copied: torch.cuda.Event | None
+    host_num_accepted: torch.Tensor | None = None  # [B] drafts accepted; None without drafts
+
+    def token_lists(self) -> list[list[int]]:
+        ids = self.host_token_ids.tolist()
+        if self.host_num_accepted is None:
+            return [[t] for t in ids]
+        return [row[: tau + 1] for row, tau in zip(ids, self.host_num_accepted.tolist())]
 
     def wait(self) -> None:
         if self.copied is not None:
@@ -53,7 +61,10 @@ class BatchInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, source: CheckpointSource) -> None:
+    def __init__(
+        self, config: EngineConfig, hf_config: PretrainedConfig, source: CheckpointSource, extra_kv_bytes_per_block: int = 0
+    ) -> None:
+        """extra_kv_bytes_per_block: what a draft model's cache adds to each block (it shares the block ids)."""
         self.config = config
         self.hf_config = hf_config
         self.device = torch.device(config.parallel.device)
@@ -71,8 +82,12 @@ class ModelRunner:
         self.model = self._load_model(source)
         self.sampler = Sampler()
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        speculative = config.speculative
+        self.spec_verification = speculative.verification if speculative.method is not None else None
         budget = kv_cache_budget(config, self.device, self._profile_step)
-        self.num_blocks = plan_num_blocks(budget, self.kv_bytes_per_block(), self.block_size, config.model.max_model_len)
+        self.num_blocks = plan_num_blocks(
+            budget, self.kv_bytes_per_block() + extra_kv_bytes_per_block, self.block_size, config.model.max_model_len
+        )
         # One block beyond the pool: the scratch block that padded CUDA-graph rows write into.
         self._allocate_kv_caches(self.num_blocks + 1)
         self.graphs: DecodeGraphs | None = None
@@ -139,61 +154,39 @@ class ModelRunner:
     def prepare_inputs(
         self, batch: ScheduledBatch, block_tables: Sequence[Sequence[int]], previous: StepOutput | None = None
     ) -> BatchInputs:
-        input_ids: list[int] = []
+        chunks: list[Chunk] = []
         # Tokens sampled by the step still in flight: (row in this batch, row in that step).
         placeholder_rows: list[int] = []
         previous_rows: list[int] = []
         previous_index = {id(r): i for i, r in enumerate(previous.requests)} if previous else {}
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
         logits_indices: list[int] = []
-        bs = self.block_size
+        row = 0
         for request, n, table in zip(batch.requests, batch.num_new_tokens, block_tables):
             start = request.num_computed_tokens
-            end = start + n
-            known = request.all_token_ids[start:end]
-            input_ids.extend(known)
-            if len(known) < n:  # the last token is a placeholder: read it on the device
-                assert len(known) == n - 1, "at most one token per request is in flight"
-                placeholder_rows.append(len(input_ids))
+            tokens = request.all_token_ids[start : start + n]
+            if len(tokens) < n and request.draft_token_ids:
+                offset = max(0, start - len(request.all_token_ids))
+                tokens += request.draft_token_ids[offset : offset + n - len(tokens)]
+            if len(tokens) < n:  # the last token is a placeholder: read it on the device
+                assert len(tokens) == n - 1, "at most one token per request is in flight"
+                placeholder_rows.append(row + n - 1)
                 previous_rows.append(previous_index[id(request)])
-                input_ids.append(0)
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            query_start.append(query_start[-1] + n)
-            seq_lens.append(end)
-            if end == request.num_tokens:
-                logits_indices.append(query_start[-1] - 1)
-        width = max(len(t) for t in block_tables)
-        padded_tables = [list(t) + [0] * (width - len(t)) for t in block_tables]
-
-        def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
-            host = torch.tensor(values, dtype=dtype)
-            if self.device.type == "cuda":
-                host = host.pin_memory()
-            return host.to(self.device, non_blocking=True)
-
-        metadata = AttentionMetadata(
-            query_start_loc=to_device(query_start, torch.int32),
-            seq_lens=to_device(seq_lens, torch.int32),
-            block_tables=to_device(padded_tables, torch.int32),
-            slot_mapping=to_device(slots, torch.int64),
-            query_lens_host=list(batch.num_new_tokens),
-            seq_lens_host=seq_lens,
-        )
-        ids = to_device(input_ids, torch.int64)
+                tokens.append(0)
+            chunks.append(Chunk(tokens, start, table))
+            row += n
+            if start + n == request.num_tokens_with_drafts:
+                logits_indices.extend(range(row - len(request.draft_token_ids) - 1, row))
+        ids, positions, metadata = pack(chunks, self.block_size, self.device)
         if placeholder_rows:
             assert previous is not None
-            ids[to_device(placeholder_rows, torch.int64)] = previous.sampled.sampled_token_ids[
-                to_device(previous_rows, torch.int64)]
+            ids[to_device(placeholder_rows, torch.int64, self.device)] = previous.sampled.sampled_token_ids[
+                to_device(previous_rows, torch.int64, self.device)]
         return BatchInputs(
             input_ids=ids,
-            positions=to_device(positions, torch.int64),
+            positions=positions,
             metadata=metadata,
-            logits_indices=to_device(logits_indices, torch.int64),
-            is_decode=len(input_ids) == len(seq_lens),
+            logits_indices=to_device(logits_indices, torch.int64, self.device),
+            is_decode=row == len(chunks),
         )
 
     @torch.inference_mode()
@@ -227,13 +220,21 @@ class ModelRunner:
             )
             for r in sampling_requests
         ]
+        if self.spec_verification is not None:
+            from tokenmill.spec.target_step import verify_drafts
+
+            spec = verify_drafts(logits, sampling_requests, self.vocab_size, self.spec_verification)
+            sampled = SamplerOutput(spec.token_ids, spec.logprob_token_ids, spec.logprobs)
+            return self._copy_to_host(sampling_requests, sampled, spec.num_accepted)
         sampled = self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device))
         return self._copy_to_host(sampling_requests, sampled)
 
-    def _copy_to_host(self, requests: list[Request], sampled: SamplerOutput) -> StepOutput:
-        tensors = [sampled.sampled_token_ids, sampled.logprob_token_ids, sampled.logprobs]
+    def _copy_to_host(
+        self, requests: list[Request], sampled: SamplerOutput, num_accepted: torch.Tensor | None = None
+    ) -> StepOutput:
+        tensors = [sampled.sampled_token_ids, sampled.logprob_token_ids, sampled.logprobs, num_accepted]
         if self.copy_stream is None:
-            return StepOutput(requests, sampled, *tensors, copied=None)
+            return StepOutput(requests, sampled, *tensors[:3], copied=None, host_num_accepted=num_accepted)
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         host: list[torch.Tensor | None] = []
         with torch.cuda.stream(self.copy_stream):
@@ -245,7 +246,7 @@ class ModelRunner:
                 host.append(torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor, non_blocking=True))
             copied = torch.cuda.Event()
             copied.record(self.copy_stream)
-        return StepOutput(requests, sampled, host[0], host[1], host[2], copied)
+        return StepOutput(requests, sampled, host[0], host[1], host[2], copied, host[3])
 
     def _logits(self, inputs: BatchInputs) -> torch.Tensor | None:
         if inputs.logits_indices.numel() == 0:

@@ -36,6 +36,7 @@ from tokenmill.server.protocol import (
     TokenizeResponse,
 )
 from tokenmill.server.reasoning import ReasoningParser
+from tokenmill.server.request_log import RequestLog
 from tokenmill.server.serving import (
     APIError,
     ClientDisconnected,
@@ -67,6 +68,7 @@ def create_state(
     engine: Any, *, served_model_names: list[str] | None = None, chat_template: str | None = None,
     tool_call_parser: str = "auto", reasoning_parser: str | None = None, api_key: str | None = None,
     async_engine: AsyncEngine | None = None, trust_request_chat_template: bool = False,
+    request_log_dir: str | None = None,
 ) -> ServerState:
     """Server state around a loaded LLMEngine (the AsyncEngine is started here unless given)."""
     try:  # the event loop tokenizes while the engine thread detokenizes: separate objects
@@ -90,6 +92,7 @@ def create_state(
         renderer=renderer, tool_parser=parser_name,  # type: ignore[arg-type]
         reasoning=ReasoningParser(reasoning_parser) if reasoning_parser else None,
         metrics=metrics, api_key=api_key, trust_request_chat_template=trust_request_chat_template,
+        request_log=RequestLog(request_log_dir) if request_log_dir else None,
     )
 
 

@@ -68,6 +68,7 @@ class RequestStream:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self.finished = False
+        self.observer: Any = None  # sees every output as it is consumed (the request log)
 
     # Called on the event loop (scheduled from the engine thread).
     def _push(self, items: list[Any]) -> None:
@@ -92,6 +93,8 @@ class RequestStream:
             if isinstance(item, BaseException):
                 self.finished = True
                 raise item
+            if self.observer is not None:
+                self.observer.output(*item)
             yield item
 
     def abort(self) -> None:
@@ -99,6 +102,8 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self._engine._send(("abort", self))
+            if self.observer is not None:
+                self.observer.aborted()
             self._queue.put_nowait(_END)  # wake a consumer waiting for the next output
 
 

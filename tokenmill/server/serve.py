@@ -41,6 +41,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="split <think>...</think> into reasoning_content (deepseek_r1: the answer starts "
                         "inside the thought; qwen3/think: only when it opens with <think>)")
+    s.add_argument("--log-requests-dir", default=None, metavar="DIR",
+                   help="append one JSON line per finished request (id, model, prompt and generated token ids, "
+                        "finish reason, time) to DIR/requests-YYYY-MM-DD.jsonl (UTC day); "
+                        "`tokenmill draft-vocab build --from DIR` reads them")
     s.add_argument("--shutdown-timeout", type=float, default=60.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
     s.add_argument("--uvicorn-log-level", default="warning",
@@ -97,6 +101,7 @@ def build_server(args: argparse.Namespace) -> Any:
         engine, served_model_names=args.served_model_name, chat_template=args.chat_template,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         api_key=args.api_key, trust_request_chat_template=args.trust_request_chat_template,
+        request_log_dir=args.log_requests_dir,
     )
     app = build_app(state)
     config = uvicorn.Config(

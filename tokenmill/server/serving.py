@@ -20,6 +20,7 @@ from tokenmill.server.chat import ChatRenderer, check_json_schema
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import _SamplingFields
 from tokenmill.server.reasoning import ReasoningParser
+from tokenmill.server.request_log import RequestLog
 
 T = TypeVar("T")
 SEED_MODULUS = 2**62  # any int64 seed maps into what torch generators take, with room for +n
@@ -65,6 +66,7 @@ class ServerState:
     metrics: ServerMetrics
     api_key: str | None = None
     trust_request_chat_template: bool = False
+    request_log: RequestLog | None = None
     _token_strs: dict[int, str] = field(default_factory=dict)
     _grammar_checker: Any = None
 

@@ -99,10 +99,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     )
     n = req.n or 1
     plan = _Plan(new_request_id("chatcmpl"), model, prompt_text, prompt_ids, tool_parser, top)
-    stream = await state.engine.submit(
-        plan.request_id, [ChildRequest(prompt_ids, params.for_child(i)) for i in range(n)],
-        priority=req.priority, cache_salt=req.cache_salt,
-    )
+    children = [ChildRequest(prompt_ids, params.for_child(i)) for i in range(n)]
+    stream = await state.engine.submit(plan.request_id, children, priority=req.priority, cache_salt=req.cache_salt)
+    if state.request_log is not None:
+        state.request_log.watch(stream, model, children)
     if req.stream:
         events = _stream_events(state, req, plan, stream, n)
         return StreamingResponse(

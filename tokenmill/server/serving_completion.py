@@ -88,6 +88,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         children += [ChildRequest(prompt.ids, params.for_child(i)) for i in range(n)]
     plan = _Plan(new_request_id("cmpl"), model, prompts, n)
     stream = await state.engine.submit(plan.request_id, children, priority=req.priority, cache_salt=req.cache_salt)
+    if state.request_log is not None:
+        state.request_log.watch(stream, model, children)
     if req.stream:
         return StreamingResponse(
             sse_with_disconnect(raw, stream, _stream_events(state, req, plan, stream)),

@@ -1,0 +1,110 @@
+"""Speculative decoding end to end on the real SmolLM2: exact greedy output, drafts accepted,
+the same sampled distribution with speculation on and off."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from scipy.stats import chi2_contingency
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.models.loader import iter_weights, load_hf_config, resolve_model
+
+pytestmark = pytest.mark.slow
+
+EDIT_PROMPT = (
+    "Rewrite the following text, changing only the name Alice to Bob:\n\n"
+    "Alice went to the market on Monday. Alice bought apples, pears and bread. On the way home, "
+    "Alice met a friend and they talked about the weather, the market and the price of bread.\n\n"
+    "Rewritten text:\n\n"
+)
+PROMPTS = [EDIT_PROMPT, "The capital of France is", "def fibonacci(n):\n    ", "List the days of the week:"]
+
+
+def fp8_rounded(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as an FP8 E4M3 copy with a per-tensor scale would hold it, back in float32."""
+    scale = tensor.abs().max().clamp_min(1e-12) / 448.0
+    return ((tensor / scale).to(torch.float8_e4m3fn).float() * scale).contiguous()
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A lower-precision copy of SmolLM2 (every weight rounded to FP8): close to the target, not equal."""
+    source = resolve_model(None)
+    config = load_hf_config(source)
+    config.architectures = ["LlamaForCausalLM"]
+    tensors = {name: fp8_rounded(tensor.float()) for name, tensor in iter_weights(source)}
+    path = tmp_path_factory.mktemp("smollm2-fp8-draft")
+    config.save_pretrained(path)
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def spec_llm(**spec) -> LLM:
+    return LLM(device="cpu", max_model_len=1024, kv_cache_bytes=1 << 28, speculative_config=spec)
+
+
+@pytest.fixture(scope="module")
+def plain() -> LLM:
+    return LLM(device="cpu", max_model_len=1024, kv_cache_bytes=1 << 28)
+
+
+def greedy(llm: LLM, max_tokens: int = 48) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+
+
+@pytest.fixture(scope="module")
+def reference(plain: LLM) -> list[list[int]]:
+    return greedy(plain)
+
+
+def test_ngram_keeps_greedy_output_and_accepts_on_an_editing_task(reference: list[list[int]]) -> None:
+    llm = spec_llm(method="ngram", num_speculative_tokens=4)
+    assert greedy(llm) == reference
+    stats = llm.engine.stats()
+    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0
+    assert stats.spec_num_accepted_tokens_per_pos[0] >= stats.spec_num_accepted_tokens_per_pos[-1]
+    print(f"ngram: {stats.spec_num_accepted_tokens}/{stats.spec_num_draft_tokens} drafts accepted, "
+          f"mean acceptance length {llm.engine.spec_stats.mean_acceptance_length:.2f}")
+
+
+@pytest.mark.parametrize("verification", ["token", "block"])
+def test_draft_model_keeps_greedy_output(draft_dir: Path, reference: list[list[int]], verification: str) -> None:
+    llm = spec_llm(method="draft_model", model=str(draft_dir), num_speculative_tokens=4,
+                   draft_sampling="greedy", verification=verification)
+    assert greedy(llm) == reference
+    length = llm.engine.spec_stats.mean_acceptance_length
+    stats = llm.engine.stats()
+    print(f"draft model (FP8-rounded copy, {verification}): mean acceptance length {length:.2f}, "
+          f"{stats.spec_num_accepted_tokens}/{stats.spec_num_draft_tokens} drafts accepted")
+    assert 2.5 < length < 5.0  # close to the target but not equal: both branches of verification run
+    assert stats.kv_blocks_used == 0
+
+
+def first_two_tokens(llm: LLM, n: int) -> Counter:
+    # max_tokens=3: after the first token (sampled at prefill) one draft is verified, so the
+    # second token is the output of verification (accepted draft or residual sample).
+    params = [SamplingParams(temperature=1.0, max_tokens=3, seed=1000 + i, ignore_eos=True) for i in range(n)]
+    outs = llm.generate(["Tell me a story about"] * n, params)
+    return Counter(tuple(o.outputs[0].token_ids[:2]) for o in outs)
+
+
+def test_sampling_with_a_draft_model_matches_sampling_without(draft_dir: Path, plain: LLM) -> None:
+    """Two-sample chi-square over the first two sampled tokens, speculation on vs off."""
+    n = 600
+    off = first_two_tokens(plain, n)
+    spec = spec_llm(method="draft_model", model=str(draft_dir), num_speculative_tokens=3)
+    on = first_two_tokens(spec, n)
+    assert spec.engine.stats().spec_num_drafts >= n  # every request verified a draft
+    # Merge rare outcomes so every expected count is large enough for the test.
+    common = [k for k in set(off) | set(on) if off[k] + on[k] >= 10]
+    table = [[off[k] for k in common] + [n - sum(off[k] for k in common)],
+             [on[k] for k in common] + [n - sum(on[k] for k in common)]]
+    p = chi2_contingency(torch.tensor(table).numpy()).pvalue
+    print(f"two-sample chi-square over {len(common) + 1} cells: p = {p:.3f}")
+    assert p > 1e-3, f"distributions differ (p = {p:.2e})"

@@ -1,0 +1,53 @@
+"""Packing requests' new tokens into one flat batch with its paged-attention metadata."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.layers.attention import AttentionMetadata
+
+
+@dataclass
+class Chunk:
+    """Tokens of one request computed in one forward, starting at position `start`."""
+
+    token_ids: list[int]
+    start: int
+    block_table: Sequence[int]
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def pack(chunks: Sequence[Chunk], block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(input ids, positions, metadata); request i's rows end at metadata.query_start_loc[i + 1]."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_start = [0]
+    seq_lens: list[int] = []
+    for chunk in chunks:
+        end = chunk.start + len(chunk.token_ids)
+        table = chunk.block_table
+        input_ids.extend(chunk.token_ids)
+        positions.extend(range(chunk.start, end))
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(chunk.start, end))
+        query_start.append(query_start[-1] + len(chunk.token_ids))
+        seq_lens.append(end)
+    width = max(len(c.block_table) for c in chunks)
+    metadata = AttentionMetadata(
+        query_start_loc=to_device(query_start, torch.int32, device),
+        seq_lens=to_device(seq_lens, torch.int32, device),
+        block_tables=to_device([list(c.block_table) + [0] * (width - len(c.block_table)) for c in chunks], torch.int32, device),
+        slot_mapping=to_device(slots, torch.int64, device),
+        query_lens_host=[len(c.token_ids) for c in chunks],
+        seq_lens_host=seq_lens,
+    )
+    return to_device(input_ids, torch.int64, device), to_device(positions, torch.int64, device), metadata

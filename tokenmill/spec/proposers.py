@@ -1,0 +1,50 @@
+"""Proposers: who writes the drafts the target verifies. One interface, chosen by config."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from tokenmill.config import EngineConfig, SpeculativeConfig
+from tokenmill.engine.request import Request
+from tokenmill.spec.draft_model import DraftModel, DraftModelProposer
+from tokenmill.spec.ngram import NgramProposer
+
+if TYPE_CHECKING:
+    from tokenmill.engine.kv_cache import KVCacheManager
+    from tokenmill.runner.model_runner import ModelRunner
+
+
+class Proposer(Protocol):
+    def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> None:
+        """Set each request's draft_token_ids (at most its limit) and, if sampled, draft_probs."""
+
+    def forget(self, request_id: str) -> None:
+        """Drop any state kept for a request that finished or was aborted."""
+
+
+class PromptLookupProposer:
+    """n-gram prompt lookup: what followed the latest earlier occurrence of the context's suffix."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+
+    def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> None:
+        for request, limit in zip(requests, limits):
+            request.draft_token_ids = list(self.ngram.propose_request(request.request_id, request.all_token_ids, limit))
+            request.draft_probs = None
+
+    def forget(self, request_id: str) -> None:
+        self.ngram.remove_request(request_id)
+
+
+def build_proposer(
+    config: EngineConfig, target: ModelRunner, kv: KVCacheManager, draft: DraftModel | None
+) -> Proposer | None:
+    method = config.speculative.method
+    if method is None:
+        return None
+    if method == "ngram":
+        return PromptLookupProposer(config.speculative)
+    assert draft is not None, "the engine builds the draft model before the target sizes its cache"
+    return DraftModelProposer(config, draft, target, kv)
