@@ -7,6 +7,7 @@ command-line flags, so `--help` and this file never disagree.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -76,6 +77,9 @@ class ParallelConfig:
 
 
 SPEC_METHODS = ("ngram", "draft_model")
+# Accepts every draft: shows what the machinery allows at full acceptance. Not lossless.
+BENCHMARK_ACCEPT_ALL = "benchmark_accept_all"
+BENCHMARK_ACCEPT_ALL_ENV = "TOKENMILL_BENCHMARK_ONLY_ACCEPT_ALL"
 
 
 @dataclass(frozen=True)
@@ -126,7 +130,11 @@ class SpeculativeConfig:
             raise ConfigError('the draft_model method needs "model": a draft checkpoint with the target\'s tokenizer')
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ConfigError("num_speculative_tokens must be in 1..16")
-        if self.verification not in ("token", "block"):
+        if self.verification == BENCHMARK_ACCEPT_ALL:
+            if os.environ.get(BENCHMARK_ACCEPT_ALL_ENV) != "1":
+                raise ConfigError(f"{BENCHMARK_ACCEPT_ALL} is a benchmark-only mode (not lossless); it needs "
+                                  f"{BENCHMARK_ACCEPT_ALL_ENV}=1 and is never a serving option")
+        elif self.verification not in ("token", "block"):
             raise ConfigError(f"verification must be token or block, not {self.verification!r}")
         if self.draft_sampling not in ("probabilistic", "greedy"):
             raise ConfigError(f"draft_sampling must be probabilistic or greedy, not {self.draft_sampling!r}")

@@ -112,7 +112,7 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         if self.config.model.load_format == "dummy":
-            _init_dummy_weights(model, self.config.model.seed)
+            init_dummy_weights(model, self.config.model.seed)
         else:
             model.load_weights(iter_weights(source))
         return model.eval()
@@ -261,7 +261,7 @@ class ModelRunner:
         return torch.Generator(device=self.device).manual_seed(seed)
 
 
-def _init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     """Seeded random weights of realistic scale: N(0, 0.02) matrices, unit norms, zero biases."""
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():

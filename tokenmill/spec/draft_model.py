@@ -24,6 +24,7 @@ from tokenmill.models.llama import head_dim_of
 from tokenmill.models.loader import iter_weights, load_hf_config, resolve_model
 from tokenmill.models.registry import model_class
 from tokenmill.runner.batch import Chunk, pack
+from tokenmill.runner.model_runner import init_dummy_weights
 from tokenmill.spec.draft_vocab import load_draft_vocab
 
 if TYPE_CHECKING:
@@ -43,7 +44,8 @@ class DraftModel:
         self.dtype = config.model.torch_dtype
         self.kv_dtype = KV_DTYPES.get(spec.draft_kv_cache_dtype, self.dtype)
         self.block_size = config.cache.block_size
-        source = resolve_model(spec.model)
+        dummy = config.model.load_format == "dummy"
+        source = resolve_model(spec.model, need_weights=not dummy)
         self.hf_config = load_hf_config(source)
         self.backend = ATTENTION_BACKENDS[config.cache.attention_backend]()
         c = self.hf_config
@@ -55,7 +57,10 @@ class DraftModel:
                 self.model = model_class(c)(c, self.backend, config.model.max_model_len, self.device.type == "cuda")
         finally:
             torch.set_default_dtype(default_dtype)
-        self.model.load_weights(iter_weights(source))
+        if dummy:
+            init_dummy_weights(self.model, config.model.seed + 1)
+        else:
+            self.model.load_weights(iter_weights(source))
         self.model.eval()
         self.vocab_ids: torch.Tensor | None = None
         if spec.draft_vocab:

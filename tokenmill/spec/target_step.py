@@ -14,11 +14,28 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.config import BENCHMARK_ACCEPT_ALL
 from tokenmill.engine.request import Request
 from tokenmill.layers.sampler import SamplingMetadata, SamplingRow, gather_logprobs, processed_probs
 from tokenmill.spec.verify import VerifyInput, VerifyOutput, verify_block, verify_tokenwise
 
-VERIFIERS: dict[str, Callable[[VerifyInput], VerifyOutput]] = {"token": verify_tokenwise, "block": verify_block}
+
+def accept_all(inp: VerifyInput) -> VerifyOutput:
+    """Benchmark-only (config refuses it without an explicit opt-in): every draft is accepted and
+    the bonus token is the argmax after the last one. Not lossless."""
+    batch, width = inp.target_probs.shape[:2]
+    out = torch.full((batch, width), -1, dtype=torch.int64, device=inp.target_probs.device)
+    out[:, : width - 1] = inp.draft_token_ids
+    bonus = inp.target_probs.argmax(-1).gather(1, inp.num_drafts[:, None])
+    out.scatter_(1, inp.num_drafts[:, None], bonus)
+    return VerifyOutput(output_token_ids=out, num_accepted=inp.num_drafts.clone())
+
+
+VERIFIERS: dict[str, Callable[[VerifyInput], VerifyOutput]] = {
+    "token": verify_tokenwise,
+    "block": verify_block,
+    BENCHMARK_ACCEPT_ALL: accept_all,
+}
 
 
 @dataclass
