@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
+from no_host_sync import forbid_host_reads
 
 from tokenmill.layers.sampler import SamplingMetadata, SamplingRow, exponential_argmax, processed_probs
 from tokenmill.sampling_params import SamplingParams
@@ -575,13 +576,7 @@ def test_greedy_rows_accept_while_the_draft_is_the_argmax(rule: str, dense_q: bo
 
 
 def _forbid(monkeypatch: pytest.MonkeyPatch) -> None:
-    def boom(*args, **kwargs):
-        raise AssertionError("host synchronisation inside verification")
-
-    for name in ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__array__"):
-        monkeypatch.setattr(torch.Tensor, name, boom)
-    monkeypatch.setattr(torch, "nonzero", boom)
-    monkeypatch.setattr(torch, "argwhere", boom)
+    forbid_host_reads(monkeypatch, "verification")
 
 
 @pytest.mark.parametrize("rule", list(RULES))
