@@ -101,6 +101,8 @@ def _merge(results: dict[str, RequestOutput], parent: str, child: int, delta: Re
         completion.logprobs = (completion.logprobs or []) + new.logprobs
     completion.finish_reason = new.finish_reason
     completion.stop_reason = new.stop_reason
+    if delta.spec is not None and len(out.outputs) == 1:
+        out.spec = delta.spec
 
 
 def _apply_overrides(config: EngineConfig, overrides: dict[str, Any]) -> EngineConfig:

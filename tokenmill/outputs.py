@@ -28,3 +28,18 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    spec: SpecUsage | None = None  # speculative decoding so far (None when it is off)
+
+
+@dataclass
+class SpecUsage:
+    """One request's speculative decoding, cumulative: verify steps that carried drafts, drafts
+    proposed, drafts accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0

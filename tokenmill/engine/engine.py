@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -17,7 +17,7 @@ from tokenmill.engine.scheduler import ScheduledBatch, Scheduler
 from tokenmill.engine.structured_output import StructuredOutputManager
 from tokenmill.errors import ConfigError, InvalidRequestError
 from tokenmill.models.loader import load_hf_config, load_tokenizer, resolve_model
-from tokenmill.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from tokenmill.outputs import CompletionOutput, RequestOutput, SpecUsage, TokenLogprobs
 from tokenmill.runner.model_runner import ModelRunner, StepOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec.proposers import DraftModel, build_proposer
@@ -218,12 +218,22 @@ class LLMEngine:
             # Rejected drafts: their KV was written but is not part of the sequence.
             request.num_computed_tokens -= len(request.draft_token_ids) - (len(tokens) - 1)
             request.draft_num_computed = min(request.draft_num_computed, request.num_computed_tokens)
-            self.spec_stats.record(len(request.draft_token_ids), len(tokens) - 1)
+            self._record_spec(request, len(request.draft_token_ids), len(tokens) - 1)
             request.drop_drafts()
             if request.is_finished:  # aborted, or ended while this step was in flight
                 continue
             outputs.append(self._append_tokens(request, tokens, logprobs))
         return outputs
+
+    def _record_spec(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        if self.proposer is None:
+            return
+        self.spec_stats.record(num_drafts, num_accepted)
+        usage = request.spec_usage = request.spec_usage or SpecUsage()
+        if num_drafts:
+            usage.num_drafts += 1
+            usage.num_draft_tokens += num_drafts
+            usage.num_accepted_tokens += num_accepted
 
     def _append_tokens(self, request: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None) -> RequestOutput:
         """Append a step's tokens (one, or accepted drafts plus one) until the request stops."""
@@ -280,6 +290,7 @@ class LLMEngine:
             outputs=[completion],
             finished=request.is_finished,
             num_cached_tokens=request.num_cached_tokens,
+            spec=None if request.spec_usage is None else replace(request.spec_usage),
         )
 
     def stats(self) -> EngineStats:

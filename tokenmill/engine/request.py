@@ -11,7 +11,7 @@ import torch
 
 if TYPE_CHECKING:
     from tokenmill.engine.structured_output import GrammarMatcher
-from tokenmill.outputs import TokenLogprobs
+from tokenmill.outputs import SpecUsage, TokenLogprobs
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -51,6 +51,7 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
     draft_num_computed: int = 0  # positions of a draft model's cache that hold this request's tokens
+    spec_usage: SpecUsage | None = None
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
