@@ -12,7 +12,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_cache import KVCacheManager
-from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ScheduledBatch, Scheduler
 from tokenmill.engine.structured_output import StructuredOutputManager
 from tokenmill.errors import ConfigError, InvalidRequestError
@@ -311,9 +311,6 @@ class LLMEngine:
             spec_num_accepted_tokens_per_pos=list(self.spec_stats.accepted_per_position),
         )
 
-    def request_status(self, request_id: str) -> RequestStatus | None:
-        request = self.requests.get(request_id)
-        return None if request is None else request.status
 
 
 def _logprob_rows(step: StepOutput) -> list[list[TokenLogprobs] | None]:

@@ -3,6 +3,7 @@ counters read from EngineStats when /metrics is scraped."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -20,12 +21,28 @@ _ITL_BUCKETS = (
 )
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
-# Optional EngineStats fields for speculative decoding, exported when the engine has them.
+# EngineStats fields for speculative decoding -> Prometheus counter names (vLLM's, under tokenmill:).
 SPEC_FIELDS = {
-    "spec_num_drafts": "Speculative decoding: drafts proposed",
-    "spec_num_draft_tokens": "Speculative decoding: draft tokens proposed",
-    "spec_num_accepted_tokens": "Speculative decoding: draft tokens accepted",
+    "spec_num_drafts": ("tokenmill:spec_decode_num_drafts", "Speculative decoding: verify steps that carried drafts"),
+    "spec_num_draft_tokens": ("tokenmill:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed"),
+    "spec_num_accepted_tokens": ("tokenmill:spec_decode_num_accepted_tokens",
+                                 "Speculative decoding: draft tokens accepted"),
 }
+
+
+def speculative_usage(specs: Iterable[Any]) -> dict[str, Any] | None:
+    """The `usage.speculative` object of one API request: its choices' SpecUsage summed, or None
+    when none of them ran with speculative decoding."""
+    present = [s for s in specs if s is not None]
+    if not present:
+        return None
+    drafts = sum(s.num_drafts for s in present)
+    draft_tokens = sum(s.num_draft_tokens for s in present)
+    accepted = sum(s.num_accepted_tokens for s in present)
+    return {
+        "num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
+        "mean_acceptance_length": 1.0 + accepted / drafts if drafts else 1.0,
+    }
 
 
 class ServerMetrics:
@@ -126,12 +143,16 @@ class _EngineStatsCollector:
         yield counter("tokenmill:num_preemptions", "Requests preempted (cumulative)", get("num_preemptions"))
         yield counter("tokenmill:prompt_tokens", "Prompt tokens processed", get("num_prompt_tokens"))
         yield counter("tokenmill:generation_tokens", "Tokens generated", get("num_generation_tokens"))
-        for name, doc in SPEC_FIELDS.items():
-            yield counter(f"tokenmill:{name}", doc, get(name))
+        for field_name, (name, doc) in SPEC_FIELDS.items():
+            yield counter(name, doc, get(field_name))
+        drafts, accepted = get("spec_num_drafts"), get("spec_num_accepted_tokens")
+        yield gauge("tokenmill:spec_decode_mean_acceptance_length",
+                    "Speculative decoding: tokens emitted per verify step with drafts, 1 + accepted / drafts "
+                    "(cumulative)", 1.0 + accepted / drafts if drafts else 1.0)
         per_pos = getattr(stats, "spec_num_accepted_tokens_per_pos", None)
         family = CounterMetricFamily(
-            "tokenmill:spec_num_accepted_tokens_per_pos",
-            "Speculative decoding: accepted draft tokens by draft position",
+            "tokenmill:spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: accepted draft tokens by draft position (0 = first draft)",
             labels=["model_name", "position"],
         )
         for pos, value in enumerate(per_pos or []):

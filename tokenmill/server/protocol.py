@@ -230,11 +230,21 @@ class CompletionRequest(_SamplingFields):
 # ------------------------------------------------------------------------------- responses
 
 
+class SpeculativeUsage(BaseModel):
+    """tokenmill extension: speculative decoding of the request, summed over its choices."""
+
+    num_drafts: int = 0  # verify steps that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    mean_acceptance_length: float = 1.0  # 1 + accepted / drafts
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: dict[str, int] | None = None
+    speculative: SpeculativeUsage | None = None  # present only when speculative decoding ran
 
 
 class TopLogprob(BaseModel):

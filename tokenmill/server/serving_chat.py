@@ -19,6 +19,7 @@ from tokenmill.server.chat import (
     parameters_schema,
     required_tools_schema,
 )
+from tokenmill.server.metrics import speculative_usage
 from tokenmill.server.protocol import ChatCompletionRequest, NamedToolChoice
 from tokenmill.server.reasoning import ReasoningStream
 from tokenmill.server.serving import (
@@ -123,6 +124,7 @@ class _Choice:
     num_tokens: int = 0
     started: bool = False
     tool_called: bool = False
+    spec: Any = None  # the latest (cumulative) SpecUsage, None without speculative decoding
 
 
 def _parse_delta(choice: _Choice, text: str, final: bool) -> tuple[str, str, list[dict[str, Any]]]:
@@ -160,6 +162,8 @@ async def _stream_events(state: ServerState, req: ChatCompletionRequest, plan: _
             choice = choices[index]
             cached = max(cached, output.num_cached_tokens)
             completion = output.outputs[0]
+            if output.spec is not None:
+                choice.spec = output.spec
             choice.pending_ids += completion.token_ids
             choice.num_tokens += len(completion.token_ids)
             if completion.logprobs:
@@ -217,6 +221,9 @@ def _usage(plan: _Plan, choices: list[_Choice], cached: int) -> dict[str, Any]:
     }
     if cached:
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    speculative = speculative_usage(c.spec for c in choices)
+    if speculative is not None:
+        usage["speculative"] = speculative
     return usage
 
 
@@ -228,10 +235,13 @@ async def _full_response(
     logprobs: list[list[dict[int, float]]] = [[] for _ in range(n)]
     finish: list[Any] = [None] * n
     stop_reason: list[Any] = [None] * n
+    specs: list[Any] = [None] * n
     cached = 0
     async for index, output in stream:
         completion = output.outputs[0]
         cached = max(cached, output.num_cached_tokens)
+        if output.spec is not None:
+            specs[index] = output.spec
         texts[index] += completion.text
         ids[index] += completion.token_ids
         logprobs[index] += completion.logprobs or []
@@ -271,6 +281,9 @@ async def _full_response(
     }
     if cached:
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    speculative = speculative_usage(specs)
+    if speculative is not None:
+        usage["speculative"] = speculative
     body: dict[str, Any] = {
         "id": plan.request_id, "object": "chat.completion", "created": plan.created,
         "model": plan.model, "choices": choices, "usage": usage,

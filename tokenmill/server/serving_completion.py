@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.server.async_engine import ChildRequest, RequestStream
+from tokenmill.server.metrics import speculative_usage
 from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.serving import (
     SSE_DONE,
@@ -107,6 +108,7 @@ class _Choice:
     num_tokens: int = 0
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[Any] = field(default_factory=list)
+    spec: Any = None  # the latest (cumulative) SpecUsage, None without speculative decoding
 
 
 def _echo(req: CompletionRequest, choice: _Choice) -> tuple[str, list[int], list[Any]]:
@@ -116,10 +118,14 @@ def _echo(req: CompletionRequest, choice: _Choice) -> tuple[str, list[int], list
     return choice.prompt.text, list(choice.prompt.ids), [None] * len(choice.prompt.ids)
 
 
-def _usage(plan: _Plan, choices: list[_Choice]) -> dict[str, int]:
+def _usage(plan: _Plan, choices: list[_Choice]) -> dict[str, Any]:
     prompt = sum(len(p.ids) for p in plan.prompts)
     completion = sum(c.num_tokens for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    speculative = speculative_usage(c.spec for c in choices)
+    if speculative is not None:
+        usage["speculative"] = speculative
+    return usage
 
 
 async def _stream_events(state: ServerState, req: CompletionRequest, plan: _Plan, stream: RequestStream):
@@ -131,6 +137,8 @@ async def _stream_events(state: ServerState, req: CompletionRequest, plan: _Plan
         async for index, output in stream:
             choice = choices[index]
             completion = output.outputs[0]
+            if output.spec is not None:
+                choice.spec = output.spec
             choice.pending_ids += completion.token_ids
             choice.num_tokens += len(completion.token_ids)
             if req.logprobs is not None:
@@ -178,6 +186,8 @@ async def _full_response(state: ServerState, req: CompletionRequest, plan: _Plan
     stop_reason: list[Any] = [None] * len(choices)
     async for index, output in stream:
         completion = output.outputs[0]
+        if output.spec is not None:
+            choices[index].spec = output.spec
         texts[index] += completion.text
         ids[index] += completion.token_ids
         choices[index].num_tokens += len(completion.token_ids)
