@@ -44,13 +44,15 @@ def _cap(body: Any, model: str | None) -> None:
         return
     if model is not None and "model" in body:
         body["model"] = model  # (unknown names are a 404 on purpose: test_bad_input covers them)
+    def large(value: Any) -> bool:  # JSON numbers: 3054 and 3054.0 are both valid integers
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 2
+
     for key in ("max_tokens", "max_completion_tokens"):
         value = body.get(key)
-        if value is None and key == "max_tokens" or (isinstance(value, int) and not isinstance(value, bool) and value > 2):
+        if value is None and key == "max_tokens" or large(value):
             body[key] = 2
     for key in ("n", "best_of", "min_tokens"):
-        value = body.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 2:
+        if large(body.get(key)):
             body[key] = 2
     for key in ("messages", "prompt", "tokens"):
         if isinstance(body.get(key), list):
