@@ -127,8 +127,4 @@ async def main(args: argparse.Namespace) -> int:
         from tokenmill.bench.plot import plot_depth
 
         plot_depth(data, args.plot)
-    summary = result.failures.summary()
-    if summary:
-        print(summary)
-        return 1
-    return 0
+    return result.failures.exit_code()

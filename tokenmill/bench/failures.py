@@ -34,5 +34,12 @@ class Failures:
             lines.append(f"  ... and {len(self.by_message) - limit} other errors")
         return "\n".join(lines)
 
+    def exit_code(self) -> int:
+        """Print the summary of failed requests, if any; 1 when some failed, else 0."""
+        summary = self.summary()
+        if summary:
+            print(summary)
+        return 1 if summary else 0
+
     def to_json(self) -> dict[str, Any]:
         return {"requests": self.total, "failed": self.failed, "errors": dict(self.by_message)}

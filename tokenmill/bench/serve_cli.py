@@ -163,8 +163,4 @@ async def main(args: argparse.Namespace) -> int:
         from tokenmill.bench.plot import plot_serve
 
         plot_serve(results, args.plot)
-    summary = failures.summary()
-    if summary:
-        print(summary)
-        return 1
-    return 0
+    return failures.exit_code()

@@ -99,8 +99,4 @@ async def main(args: argparse.Namespace) -> int:
         from tokenmill.bench.plot import plot_steady
 
         plot_steady(data, args.plot)
-    summary = failures.summary()
-    if summary:
-        print(summary)
-        return 1
-    return 0
+    return failures.exit_code()
