@@ -50,6 +50,11 @@ class CacheConfig:
     """Reuse the KV of full blocks already computed for the same tokens (and cache_salt)."""
     kv_cache_dtype: str = AUTO
     """auto = the model dtype; fp8 = FP8 E4M3 with per-layer scales (twice the tokens)."""
+    calculate_kv_scales: bool | None = None
+    """FP8 KV scales from one calibration forward at start-up (tokenmill/runner/kv_scales.py).
+    None = calibrate the layers whose checkpoint has no k_scale / v_scale; True = calibrate every
+    layer, replacing the checkpoint's; False = the checkpoint's, else 1.0 (vLLM's default).
+    True needs kv_cache_dtype fp8."""
     attention_backend: str = AUTO
     """torch (reference, any device) or triton (CUDA); auto = triton on CUDA, torch on CPU."""
     num_blocks: int = 0
@@ -189,6 +194,9 @@ class EngineConfig:
             raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
         if cache.kv_cache_dtype not in (AUTO, "fp8"):
             raise ConfigError(f"unknown --kv-cache-dtype {cache.kv_cache_dtype!r}; use auto or fp8")
+        if cache.calculate_kv_scales and cache.kv_cache_dtype != "fp8":
+            raise ConfigError("--calculate-kv-scales calibrates FP8 KV-cache scales but the KV cache is not FP8; "
+                              "add --kv-cache-dtype fp8 or drop --calculate-kv-scales")
         backend = cache.attention_backend
         if backend == AUTO:
             backend = "triton" if device.startswith("cuda") else "torch"
@@ -272,6 +280,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="reuse KV of full blocks computed before for the same tokens and cache_salt")
     c.add_argument("--kv-cache-dtype", default=AUTO, choices=[AUTO, "fp8"],
                    help="auto = model dtype; fp8 = FP8 E4M3 with per-layer scales (2x the tokens)")
+    c.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction, default=None,
+                   help="FP8 KV: set each layer's k/v scale from one forward over a fixed text at start-up "
+                        "(amax / 112). Default: only for layers whose checkpoint has no scales; "
+                        "--no-calculate-kv-scales keeps scale 1.0 there (vLLM's default; small K/V lose "
+                        "precision). Needs --kv-cache-dtype fp8")
     c.add_argument("--attention-backend", default=AUTO, choices=[AUTO, "torch", "triton"],
                    help="torch = reference (any device); triton = CUDA kernels; auto picks by device")
 

@@ -6,6 +6,8 @@ Parameters carry Hugging Face names except two fused projections (qkv_proj, gate
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -27,6 +29,14 @@ _FUSED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+
+# FP8 KV-cache scales as FP8 checkpoints name them: `<layer>.self_attn.k_scale` (compressed-tensors),
+# `.self_attn.attn.k_scale` (vLLM), `.self_attn.k_proj.k_scale` (ModelOpt), `.self_attn.kv_scale`
+# (older: one scale for both), `.self_attn.k_proj.output_scale` (older compressed-tensors).
+_KV_SCALE = re.compile(r"(?P<attn>.+\.self_attn)\.(?:attn\.|[kv]_proj\.)?(?P<which>k|v|kv)_scale")
+_KV_OUTPUT_SCALE = re.compile(r"(?P<attn>.+\.self_attn)\.(?P<which>k|v)_proj\.output_scale")
+# Scales of FP8 attention (query, probabilities): tokenmill quantizes only the KV cache.
+_UNUSED_SCALE = re.compile(r".+\.self_attn\.(?:attn\.)?(?:q|prob)_scale")
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -64,6 +74,8 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.kv_cache = torch.empty(0)  # bound by the model runner
         self.k_scale = self.v_scale = 1.0  # FP8 KV scales (stored value = k / k_scale)
+        # (k_scale, v_scale) as the checkpoint gives them; the runner applies them to an FP8 cache only.
+        self.checkpoint_kv_scales: tuple[float, float] | None = None
 
     def shard_sizes(self) -> list[int]:
         return [self.q_size, self.kv_size, self.kv_size]
@@ -174,8 +186,15 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        kv_scales: dict[str, dict[str, float]] = {}
         for name, tensor in weights:
-            if "rotary_emb" in name:
+            if "rotary_emb" in name or _UNUSED_SCALE.fullmatch(name):
+                continue
+            match = _KV_SCALE.fullmatch(name) or _KV_OUTPUT_SCALE.fullmatch(name)
+            if match:
+                which = match["which"]
+                for kind in ("k", "v") if which == "kv" else (which,):
+                    kv_scales.setdefault(match["attn"], {})[kind] = _kv_scale_value(name, tensor)
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue
@@ -192,6 +211,22 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        self._set_kv_scales(kv_scales)
+
+    def _set_kv_scales(self, scales: dict[str, dict[str, float]]) -> None:
+        """Record the checkpoint's FP8 KV scales on each layer's attention; they take effect only
+        when a runner with an FP8 cache copies them to k_scale / v_scale."""
+        for path, given in scales.items():
+            try:
+                attention = self.get_submodule(path)
+            except AttributeError:
+                attention = None
+            if not isinstance(attention, Attention):
+                raise ModelLoadError(f"checkpoint KV scales for {path!r} have no attention layer in {type(self).__name__}")
+            if set(given) != {"k", "v"}:
+                raise ModelLoadError(f"{path}: the checkpoint has a {next(iter(given))}_scale but no "
+                                     f"{'v' if 'k' in given else 'k'}_scale; FP8 KV needs both")
+            attention.checkpoint_kv_scales = (given["k"], given["v"])
 
     def _locate(self, name: str) -> tuple[str, int, int]:
         """(model parameter, row offset, rows) for a checkpoint tensor; rows 0 = the whole parameter."""
@@ -216,6 +251,16 @@ class LlamaForCausalLM(nn.Module):
                 yield from ((name, sum(sizes[:s])) for s in range(len(sizes)))
             else:
                 yield name, 0
+
+
+def _kv_scale_value(name: str, tensor: torch.Tensor) -> float:
+    """A checkpoint scale as a float; a per-head scale becomes its largest, so no head saturates."""
+    if tensor.numel() == 0:
+        raise ModelLoadError(f"{name}: an empty KV scale tensor")
+    value = float(tensor.float().max())
+    if not math.isfinite(value) or value <= 0:
+        raise ModelLoadError(f"{name}: KV scale {value} must be finite and positive")
+    return value
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -19,6 +19,7 @@ from tokenmill.models.loader import CheckpointSource, iter_weights
 from tokenmill.models.registry import model_class
 from tokenmill.runner.batch import Chunk, pack, to_device
 from tokenmill.runner.cuda_graphs import DecodeGraphs
+from tokenmill.runner.kv_scales import configure_kv_scales
 from tokenmill.runner.memory import kv_cache_budget, plan_num_blocks
 from tokenmill.sampling_params import SamplingParams
 
@@ -90,6 +91,7 @@ class ModelRunner:
         )
         # One block beyond the pool: the scratch block that padded CUDA-graph rows write into.
         self._allocate_kv_caches(self.num_blocks + 1)
+        configure_kv_scales(self, source)
         self.graphs: DecodeGraphs | None = None
         if not config.enforce_eager:
             self.graphs = DecodeGraphs(
