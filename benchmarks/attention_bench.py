@@ -146,6 +146,7 @@ class Bench:
             num_tokens=sum(query_lens), num_requests=len(seq_lens), max_query_len=max(query_lens),
             max_seq_len=max(seq_lens), num_heads=s.heads, num_kv_heads=s.kv_heads, head_dim=s.head_dim,
             device=torch.device(s.device), num_splits=overrides.pop("num_splits", None),
+            fp8_kv=overrides.pop("fp8_kv", False),
         )
         if "block_n" in overrides:  # keep the fewest keys per split, whatever the tile
             overrides["min_split_tiles"] = max(1, plan.min_split_tiles * plan.block_n // overrides["block_n"])
@@ -173,7 +174,7 @@ class Bench:
             for batch in self.s.batches:
                 for ctx in self.s.contexts:
                     qlens, slens = [1] * batch, [ctx] * batch
-                    plan = self.plan(qlens, slens)
+                    plan = self.plan(qlens, slens, fp8_kv=kv_dtype == FP8)
                     row = record("decode", f"{kv_name} b{batch} ctx{ctx}", self.attention(kv_dtype, qlens, slens, plan),
                                  self.kv_bytes(slens, kv_dtype), self.flops(qlens, slens), plan=label(plan))
                     row["ratio"] = row["GB/s"] / self.copy_gbs
@@ -204,7 +205,8 @@ class Bench:
                 slots = self.perm[(offsets // PAGE) % self.num_blocks].long() * PAGE + offsets % PAGE
                 cache = self.caches[kv_dtype]
                 nbytes = tokens * 2 * s.kv_heads * s.head_dim * (2 + kv_dtype.itemsize)
-                row = record("kv write", f"{kv_name} {tokens} tokens", self.time(lambda: write_kv_cache(k, v, cache, slots, 0.7, 1.3)), nbytes)
+                seconds = self.time(lambda: write_kv_cache(k, v, cache, slots, 0.7, 1.3))
+                row = record("kv write", f"{kv_name} {tokens} tokens", seconds, nbytes)
                 row["ratio"] = row["GB/s"] / self.copy_gbs
 
     def fused(self, compile_peers: bool) -> None:
@@ -242,9 +244,18 @@ class Bench:
                 splits = (8, 16, 32, 64) if batch == 1 else (1, 4)
                 for overrides in tiles + [dict(num_splits=n) for n in splits]:
                     plan = self.plan(qlens, slens, **overrides)
-                    row = record("sweep decode", f"{kv_name} b{batch} ctx{ctx}", self.attention(kv_dtype, qlens, slens, plan, inputs),
-                                 self.kv_bytes(slens, kv_dtype), plan=label(plan))
+                    seconds = self.attention(kv_dtype, qlens, slens, plan, inputs)
+                    row = record("sweep decode", f"{kv_name} b{batch} ctx{ctx}", seconds, self.kv_bytes(slens, kv_dtype),
+                                 plan=label(plan))
                     row["ratio"] = row["GB/s"] / self.copy_gbs
+        # Long-context FP8 decode at batch 1: wider KV tiles against split counts.
+        qlens, slens = [1], [max(s.contexts)]
+        inputs = self.inputs(qlens, slens)
+        for n, w, st, splits in ((n, w, st, x) for n in (128, 256) for w in (4, 8) for st in (2, 3) for x in (16, 32, 64)):
+            plan = self.plan(qlens, slens, block_n=n, num_warps=w, num_stages=st, num_splits=splits)
+            row = record("sweep fp8 long", f"fp8 b1 ctx{slens[0]}", self.attention(FP8, qlens, slens, plan, inputs),
+                         self.kv_bytes(slens, FP8), plan=label(plan))
+            row["ratio"] = row["GB/s"] / self.copy_gbs
         qlens, slens = [s.prefill], [s.prefill]
         inputs = self.inputs(qlens, slens)
         for m, n, w, st in ((128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)):

@@ -2,7 +2,8 @@
 
 Target of Llama-3.1-8B shape, draft of Llama-3.2-1B shape, both random (load_format=dummy),
 so a real draft's acceptance cannot be measured here; the figures are the machinery's:
-  - the cost of a (1 + gamma)-token verify forward against a 1-token forward at batch 1/16/64;
+  - the cost of a (1 + gamma)-token verify step against a 1-token step at batch 1/16/64, both
+    as the engine runs them (captured CUDA graphs, device time);
   - batch-1 decode tok/s without speculation, with the n-gram proposer on a repetitive prompt,
     and with the draft model under BENCHMARK-ONLY accept-all verification (not lossless: it
     shows the speed-up at full acceptance, acceptance length gamma + 1).
@@ -13,6 +14,7 @@ so a real draft's acceptance cannot be measured here; the figures are the machin
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import statistics
@@ -30,7 +32,7 @@ from gpu_bench import LLAMA_31_8B, decode_rate  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.config import BENCHMARK_ACCEPT_ALL, BENCHMARK_ACCEPT_ALL_ENV  # noqa: E402
-from tokenmill.runner.batch import Chunk, pack  # noqa: E402
+from tokenmill.runner.cuda_graphs import StepGraphs  # noqa: E402
 
 LLAMA_32_1B = {
     **LLAMA_31_8B, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
@@ -39,34 +41,46 @@ LLAMA_32_1B = {
 }
 
 
-def forward_ms(llm: LLM, batch: int, tokens_per_request: int, context: int = 512) -> float:
-    """Median time of one eager target forward: `batch` requests adding `tokens_per_request` each."""
-    runner = llm.engine.runner
-    blocks = -(-(context + tokens_per_request) // runner.block_size)
-    chunks = [Chunk([7] * tokens_per_request, context, list(range(b * blocks, (b + 1) * blocks))) for b in range(batch)]
-    ids, positions, metadata = pack(chunks, runner.block_size, runner.device)
-    times = []
-    with torch.inference_mode():
-        for _ in range(12):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            hidden = runner.model(ids, positions, metadata)
-            runner.model.compute_logits(hidden)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times[2:])
+def graph_step_ms(graphs: StepGraphs, batch: int, context: int, repeats: int = 20) -> float:
+    """Median device time of one captured step: `batch` requests of `context` tokens each adding
+    graphs.query_len tokens (the replayed graph is the one the engine would pick)."""
+    q, size = graphs.query_len, graphs.block_size
+    blocks = -(-context // size)
+    positions = torch.arange(context - q, context)
+    for b in range(batch):
+        table = torch.arange(b * blocks, (b + 1) * blocks, dtype=torch.int32)
+        graphs.block_tables[b, :blocks] = table
+        graphs.seq_lens[b] = context
+        graphs.positions[b * q : (b + 1) * q] = positions
+        graphs.slot_mapping[b * q : (b + 1) * q] = table[positions // size].long() * size + positions % size
+    bucket = graphs.buckets[bisect.bisect_left(graphs.buckets, batch)]
+    graph = graphs.graphs[bucket, graphs.contexts[bisect.bisect_left(graphs.contexts, context)]]
+    graph.replay()
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for start, end in pairs:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in pairs)
 
 
-def repetitive_rate(llm: LLM, new_tokens: int) -> float:
-    """Decode tok/s continuing a prompt that repeats itself (what prompt lookup feeds on)."""
-    prompt = list(range(1000, 1064)) * 8
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    llm.generate([prompt], params)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    llm.generate([prompt], params)
-    torch.cuda.synchronize()
-    return new_tokens / (time.perf_counter() - start)
+def prompt_decode_rate(llm: LLM, prompt: list[int], new_tokens: int) -> float:
+    """Batch-1 decode tok/s continuing `prompt`, as (t(N+1) - t(1)) / N: prefill and prefix-cache
+    effects cancel (each length is timed after a warm-up run of the same kind)."""
+
+    def run(n: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.generate([prompt], params)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    run(1), run(new_tokens + 1)
+    one = statistics.median(run(1) for _ in range(3))
+    many = statistics.median(run(new_tokens + 1) for _ in range(3))
+    return new_tokens / (many - one)
 
 
 def main() -> None:
@@ -85,23 +99,27 @@ def main() -> None:
         for path, config in ((target_dir, LLAMA_31_8B), (draft_dir, LLAMA_32_1B)):
             path.mkdir()
             (path / "config.json").write_text(json.dumps(config))
-        common = dict(load_format="dummy", dtype="bfloat16", max_model_len=8192, kv_cache_bytes=24 << 30)
+        common = dict(load_format="dummy", dtype="bfloat16", max_model_len=8192, kv_cache_bytes=24 << 30, max_num_seqs=64)
+        repetitive = list(range(1000, 1064)) * 8
         plain = LLM(str(target_dir), **common)
-        for batch in (1, 16, 64):
-            one, many = forward_ms(plain, batch, 1), forward_ms(plain, batch, 1 + args.gamma)
-            report(f"verify forward cost, bs={batch}: (1+{args.gamma}) tokens / 1 token", many / one, "x")
         base = decode_rate(plain, 128, args.tokens)
         report("bs=1 decode, no speculation (CUDA graphs)", base, "tok/s")
-        base_rep = repetitive_rate(plain, args.tokens)
+        base_rep = prompt_decode_rate(plain, repetitive, args.tokens)
+        report("bs=1 decode, no speculation, repetitive prompt", base_rep, "tok/s")
         del plain
         torch.cuda.empty_cache()
 
         ngram = LLM(str(target_dir), **common, speculative_config={"method": "ngram", "num_speculative_tokens": args.gamma})
-        rate = repetitive_rate(ngram, args.tokens)
+        decode, verify = ngram.engine.runner.graphs
+        for batch in (1, 16, 64):
+            one, many = graph_step_ms(decode, batch, 512), graph_step_ms(verify, batch, 512)
+            report(f"verify step cost, bs={batch}, ctx 512: (1+{args.gamma}) / 1 token (graphs)", many / one, "x")
+            report(f"  1-token step / verify step, bs={batch}", one, f"/ {many:.3f} ms")
+        rate = prompt_decode_rate(ngram, repetitive, args.tokens)
         report("bs=1 decode, n-gram, repetitive prompt (random weights)", rate, "tok/s")
         report("  ratio to no speculation on the same prompt", rate / base_rep, "x")
         report("  mean acceptance length", ngram.engine.spec_stats.mean_acceptance_length, "")
-        del ngram
+        del ngram, decode, verify
         torch.cuda.empty_cache()
 
         os.environ[BENCHMARK_ACCEPT_ALL_ENV] = "1"
@@ -112,6 +130,9 @@ def main() -> None:
         report("BENCHMARK-ONLY accept-all: bs=1 decode, 1B-shape draft", rate, "tok/s")
         report("  ratio to no speculation", rate / base, "x")
         report("  mean acceptance length", draft.engine.spec_stats.mean_acceptance_length, "")
+        proposer = draft.engine.proposer
+        report("  draft decode step, bs=1 (graph)", graph_step_ms(proposer.decode_graphs, 1, 512), "ms")
+        report("  draft catch-up step, bs=1 (graph)", graph_step_ms(proposer.catch_up_graphs, 1, 512), "ms")
     print(json.dumps(figures))
 
 

@@ -107,3 +107,39 @@ def test_rotary_reference_is_the_layer() -> None:
     c, s = cos[positions].unsqueeze(1).to(x.dtype), sin[positions].unsqueeze(1).to(x.dtype)
     ref, _ = apply_rotary_ref(positions, x, x, cos, sin)
     assert torch.equal(_rotate(x, c, s), ref)
+
+
+@pytest.mark.parametrize(
+    "tokens,heads,kv_heads,head_dim,cache_dtype,device",
+    [
+        on_cpu(3, 4, 2, 16, torch.float32, id="tiny-f32"),
+        on_cpu(4, 4, 2, 12, torch.float8_e4m3fn, id="tiny-fp8-odd-half"),
+        on_gpu(1, 32, 8, 128, torch.bfloat16, id="llama-decode"),
+        on_gpu(64, 32, 8, 128, torch.float8_e4m3fn, id="llama-fp8"),
+        on_gpu(333, 16, 4, 64, torch.bfloat16, id="head64"),
+    ],
+)
+def test_rotate_and_cache_equals_rotary_then_kv_write(tokens, heads, kv_heads, head_dim, cache_dtype, device) -> None:
+    """The fused kernel = the two kernels it replaces (apply_rotary_ then write_kv_cache, each
+    tested against PyTorch above and in test_kv_write), bit for bit; a negative slot writes nothing."""
+    from tokenmill.kernels.kv_cache import write_kv_cache
+    from tokenmill.kernels.rotary import rotate_and_cache_
+
+    torch.manual_seed(0)
+    dtype = torch.float32 if cache_dtype == torch.float32 else torch.bfloat16
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, device=device, dtype=dtype)
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    positions = torch.randint(0, 500, (tokens,), device=device)
+    cos, sin = torch.randn(512, head_dim, device=device), torch.randn(512, head_dim, device=device)
+    page, blocks = 4, tokens + 2
+    slots = torch.randperm(blocks * page, device=device)[:tokens]
+    slots[0] = -1
+    expected_cache = torch.zeros(2, blocks, page, kv_heads, head_dim, device=device).to(cache_dtype)
+    actual_cache = expected_cache.clone()
+    ref_q, ref_k = apply_rotary_(positions, q.clone(), k.clone(), cos, sin)
+    write_kv_cache(ref_k, v, expected_cache, slots, 0.5, 2.0)
+    k_before = k.clone()
+    rotate_and_cache_(positions, q, k, v, cos, sin, actual_cache, slots, 0.5, 2.0)
+    assert torch.equal(q, ref_q)
+    assert torch.equal(k, k_before)
+    assert torch.equal(actual_cache.view(torch.uint8), expected_cache.view(torch.uint8))

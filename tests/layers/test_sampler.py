@@ -376,3 +376,16 @@ def test_forward_does_not_synchronise_on_cuda() -> None:
         torch.cuda.set_sync_debug_mode("default")
     assert out.sampled_token_ids.device.type == "cuda"
     assert not math.isnan(out.logprobs.float().sum().item())
+
+
+def test_row_argmax_two_pass_equals_argmax_and_keeps_the_first_maximum() -> None:
+    from tokenmill.layers.sampler import row_argmax
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 128256)
+    logits[1, 70000] = logits[1, 90000] = 50.0  # a tie across chunks: the first one wins
+    logits[2, 300] = logits[2, 301] = 50.0  # a tie inside a chunk
+    assert torch.equal(row_argmax(logits), logits.argmax(dim=-1))
+    assert row_argmax(logits).tolist()[1:] == [70000, 300]
+    odd = torch.randn(2, 1001)  # not a multiple of the chunk: one pass
+    assert torch.equal(row_argmax(odd), odd.argmax(dim=-1))

@@ -50,6 +50,7 @@ def plan_attention(
     device: torch.device,
     num_splits: int | None = None,
     min_split_tokens: int | None = None,
+    fp8_kv: bool = False,
 ) -> AttentionPlan:
     """Choose the launch. `num_splits` forces the split count; otherwise splits are added while
     the grid is short of the waves above and each split keeps at least `min_split_tokens` keys
@@ -59,9 +60,15 @@ def plan_attention(
     group_p = next_pow2(num_heads // num_kv_heads)
     big_head = head_dim > 128
     block_n = (32 if big_head else 64) if on_gpu else 16
+    max_splits = MAX_SPLITS
     if max_query_len <= 1:
         block_q = 1
-        num_warps, num_stages = 4, (2 if big_head else 3)
+        # H200 sweep (benchmarks/attention_bench.py), batch 1 at 32k: bf16 is fastest with 64-key
+        # tiles double-buffered (52 vs 64 us); FP8 tiles are half the bytes, so 128 keys per tile
+        # and half the splits keep each program's stream as long (48 vs 57 us).
+        num_warps, num_stages = 4, 2
+        if fp8_kv and on_gpu and not big_head:
+            block_n, num_stages, max_splits = 128, 3, MAX_SPLITS // 2
     else:
         target_rows = (64 if big_head else 128) if on_gpu else 32
         block_q = max(1, min(target_rows // group_p, next_pow2(max_query_len)))
@@ -76,7 +83,7 @@ def plan_attention(
         waves = DECODE_WAVES if block_q == 1 else PREFILL_WAVES
         wanted = -(-waves * sm_count(device) // programs)
         by_length = -(-max_seq_len // min_split_tokens)
-        num_splits = max(1, min(wanted, by_length, MAX_SPLITS))
+        num_splits = max(1, min(wanted, by_length, max_splits))
     min_split_tiles = max(1, min_split_tokens // block_n)
     return AttentionPlan(block_q, block_m, block_n, num_splits, min_split_tiles, num_warps, num_stages, num_tiles)
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels._common import next_pow2
+from tokenmill.kernels._common import FP8_DTYPE, interpreting, next_pow2, round_to_e4m3_grid
 
 
 def apply_rotary_ref(
@@ -89,3 +89,83 @@ def apply_rotary_(
             num_warps=4,
         )
     return q, k
+
+
+@triton.jit
+def _to_cache(x, scale, out_ty: tl.constexpr, QUANT: tl.constexpr, EMULATE_ROUNDING: tl.constexpr):
+    """As tokenmill.kernels.kv_cache stores a value: x / scale saturated at +-448 for FP8."""
+    if QUANT:
+        x = tl.minimum(tl.maximum(tl.div_rn(x.to(tl.float32), scale), -448.0), 448.0)
+        if EMULATE_ROUNDING:
+            x = round_to_e4m3_grid(x)
+    return x.to(out_ty)
+
+
+@triton.jit
+def _rotary_cache_kernel(
+    pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, k_scale, v_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
+    stride_plane, stride_block, stride_tok, stride_head,
+    num_q_heads, num_kv_heads,
+    HALF: tl.constexpr, HALF_P: tl.constexpr, QH_P: tl.constexpr, KH_P: tl.constexpr,
+    PAGE: tl.constexpr, QUANT: tl.constexpr, EMULATE_ROUNDING: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    pos = tl.load(pos_ptr + tok)
+    cols = tl.arange(0, HALF_P)[None, :]
+    cmask = cols < HALF
+    dtype = q_ptr.dtype.element_ty
+    c = tl.load(cos_ptr + pos * stride_cos + cols, mask=cmask, other=0.0).to(dtype).to(tl.float32)
+    s = tl.load(sin_ptr + pos * stride_sin + cols, mask=cmask, other=0.0).to(dtype).to(tl.float32)
+    _rotate_heads(q_ptr + tok * stride_qt, stride_qh, c, s, num_q_heads, HALF, QH_P, HALF_P)
+    slot = tl.load(slot_ptr + tok)
+    if slot >= 0:
+        heads = tl.arange(0, KH_P)[:, None]
+        mask = (heads < num_kv_heads) & cmask
+        k1_ptr = k_ptr + tok * stride_kt + heads * stride_kh + cols
+        v1_ptr = v_ptr + tok * stride_vt + heads * stride_vh + cols
+        a1 = tl.load(k1_ptr, mask=mask, other=0.0).to(tl.float32)
+        a2 = tl.load(k1_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+        # Rounded to the model dtype exactly as _rotate_heads (and the unfused PyTorch ops) do.
+        k1 = ((a1 * c).to(dtype).to(tl.float32) - (a2 * s).to(dtype).to(tl.float32)).to(dtype)
+        k2 = ((a2 * c).to(dtype).to(tl.float32) + (a1 * s).to(dtype).to(tl.float32)).to(dtype)
+        v1 = tl.load(v1_ptr, mask=mask, other=0.0)
+        v2 = tl.load(v1_ptr + HALF, mask=mask, other=0.0)
+        out_ty = cache_ptr.dtype.element_ty
+        dst = cache_ptr + (slot // PAGE) * stride_block + (slot % PAGE) * stride_tok + heads * stride_head + cols
+        tl.store(dst, _to_cache(k1, k_scale, out_ty, QUANT, EMULATE_ROUNDING), mask=mask)
+        tl.store(dst + HALF, _to_cache(k2, k_scale, out_ty, QUANT, EMULATE_ROUNDING), mask=mask)
+        tl.store(dst + stride_plane, _to_cache(v1, v_scale, out_ty, QUANT, EMULATE_ROUNDING), mask=mask)
+        tl.store(dst + stride_plane + HALF, _to_cache(v2, v_scale, out_ty, QUANT, EMULATE_ROUNDING), mask=mask)
+
+
+def rotate_and_cache_(
+    positions: torch.Tensor,  # [T] int
+    q: torch.Tensor,  # [T, H, D], rotated in place
+    k: torch.Tensor,  # [T, Hkv, D], left as it is: its rotation goes to the cache only
+    v: torch.Tensor,  # [T, Hkv, D]
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D], model dtype or FP8 E4M3
+    slot_mapping: torch.Tensor,  # [T] int64; a negative slot writes nothing
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """apply_rotary_ then write_kv_cache in one launch: what a decode step pays once per layer."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or kv_cache.stride(4) != 1:
+        raise ValueError("rotate_and_cache_ needs a unit stride along head_dim")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
+    if num_tokens:
+        quant = kv_cache.dtype == FP8_DTYPE
+        _rotary_cache_kernel[(num_tokens,)](
+            positions, q, k, v, cos, sin, kv_cache, slot_mapping, k_scale, v_scale,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
+            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+            num_q_heads, k.shape[1],
+            HALF=head_dim // 2, HALF_P=next_pow2(head_dim // 2), QH_P=next_pow2(num_q_heads), KH_P=next_pow2(k.shape[1]),
+            PAGE=kv_cache.shape[2], QUANT=quant, EMULATE_ROUNDING=quant and interpreting(),
+            num_warps=4,
+        )
+    return q

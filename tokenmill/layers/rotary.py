@@ -47,6 +47,14 @@ class RotaryEmbedding(nn.Module):
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+    def rotate_into_cache(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float, v_scale: float) -> torch.Tensor:
+        """Fused path (CUDA): rotate q in place and write rotated k and v into the paged cache."""
+        from tokenmill.kernels.rotary import rotate_and_cache_
+
+        return rotate_and_cache_(positions, q, k, v, self.cos, self.sin, kv_cache, slot_mapping, k_scale, v_scale)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

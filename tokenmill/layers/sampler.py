@@ -237,15 +237,27 @@ def process_logits(
     if metadata.penalties is not None:
         logits = apply_penalties(logits, metadata.penalties)
     if metadata.all_greedy:
-        return logits.argmax(dim=-1), None
+        return row_argmax(logits), None
     # Greedy ids before the random path edits logits in place.
-    greedy_ids = None if metadata.all_random else logits.argmax(dim=-1)
+    greedy_ids = None if metadata.all_random else row_argmax(logits)
     assert metadata.temperature is not None
     logits = logits.div_(metadata.temperature)
     logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, metadata.max_top_k)
     if metadata.min_p is not None:
         logits = apply_min_p(logits, metadata.min_p)
     return greedy_ids, torch.softmax(logits, dim=-1)
+
+
+def row_argmax(logits: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """argmax of each row (the first maximum), in two passes when rows are few and long: torch
+    reduces a row in one thread block (about 28 us for a 128k vocabulary on an H200, per decode
+    step), while chunks of `chunk` spread the first pass over the machine."""
+    rows, vocab = logits.shape
+    if rows >= 32 or vocab % chunk or vocab <= 8 * chunk:
+        return logits.argmax(dim=-1)
+    values, offsets = logits.view(rows, vocab // chunk, chunk).max(dim=-1)
+    best = values.argmax(dim=-1)
+    return best * chunk + offsets.gather(1, best[:, None]).squeeze(1)
 
 
 def processed_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -1,11 +1,12 @@
-"""CUDA graphs of the decode step, one per batch-size bucket, sharing one memory pool.
+"""CUDA graphs of uniform steps: every request adds exactly `query_len` tokens.
 
-A decode step (every request adds exactly one token) has shapes that depend only on the batch
-size, so it is captured once per bucket and replayed with the batch padded up to the bucket.
-Padding rows write their KV into a scratch block that no request owns and attend to it alone.
-Attention's launch plan (how many KV splits) depends on the longest context, so each batch
-bucket is captured for a few context buckets too: a short context does not pay for the splits
-and merge of the longest one.
+query_len 1 is a decode step; 1 + gamma is a speculative verify step (the last known token and
+gamma drafts); 2 is a draft model's catch-up step. Such a step's shapes depend only on the
+batch size, so it is captured once per batch bucket and replayed with the batch padded up to
+the bucket. Padding requests write their KV into a scratch block that no request owns and
+attend to it alone. Attention's launch plan (how many KV splits) depends on the longest
+context, so each batch bucket is captured for a few context buckets too: a short context does
+not pay for the splits and merge of the longest one.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from tokenmill.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
-
-CONTEXT_BUCKETS = (1024, 4096)
+CONTEXT_BUCKETS = (256, 1024, 4096)
+# Verify steps are captured up to this many tokens per step (vLLM's default capture limit).
+MAX_CAPTURED_TOKENS = 512
 
 
 def context_buckets(max_model_len: int) -> list[int]:
@@ -35,7 +37,7 @@ def batch_size_buckets(max_batch: int) -> list[int]:
     return [s for s in sizes if s < max_batch] + [max_batch]
 
 
-class DecodeGraphs:
+class StepGraphs:
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -45,25 +47,35 @@ class DecodeGraphs:
         block_size: int,
         max_model_len: int,
         device: torch.device,
+        query_len: int = 1,
+        name: str = "decode",
     ) -> None:
         self.model = model
+        self.query_len = query_len
+        self.name = name
         self.buckets = batch_size_buckets(max_batch)
         self.contexts = context_buckets(max_model_len)
+        self.block_size = block_size
         self.scratch_slot = scratch_block * block_size
         self.scratch_block = scratch_block
         n = self.buckets[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), self.scratch_slot, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        tokens = n * query_len
+        self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((tokens,), self.scratch_slot, dtype=torch.int64, device=device)
+        # A padding request's length is its query length: its causal rows stay inside the scratch block.
+        self.seq_lens = torch.full((n,), query_len, dtype=torch.int32, device=device)
         self.block_tables = torch.full((n, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(0, (n + 1) * query_len, query_len, dtype=torch.int32, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
 
     @property
     def max_batch(self) -> int:
         return self.buckets[-1]
+
+    def accepts(self, metadata: AttentionMetadata) -> bool:
+        return metadata.num_requests <= self.max_batch and all(n == self.query_len for n in metadata.query_lens_host)
 
     def _metadata(self, batch: int, context: int) -> AttentionMetadata:
         # Host lengths are the bucket's largest, so any launch shape derived from them (e.g. the
@@ -73,13 +85,14 @@ class DecodeGraphs:
             query_start_loc=self.query_start_loc[: batch + 1],
             seq_lens=self.seq_lens[:batch],
             block_tables=self.block_tables[:batch],
-            slot_mapping=self.slot_mapping[:batch],
-            query_lens_host=[1] * batch,
+            slot_mapping=self.slot_mapping[: batch * self.query_len],
+            query_lens_host=[self.query_len] * batch,
             seq_lens_host=[context] * batch,
         )
 
     def _forward(self, batch: int, context: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:batch], self.positions[:batch], self._metadata(batch, context))
+        tokens = batch * self.query_len
+        hidden = self.model(self.input_ids[:tokens], self.positions[:tokens], self._metadata(batch, context))
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -89,7 +102,7 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             shapes = [(b, c) for b in reversed(self.buckets) for c in reversed(self.contexts)]
-            for shape in tqdm(shapes, desc="capturing CUDA graphs", leave=False):
+            for shape in tqdm(shapes, desc=f"capturing {self.name} CUDA graphs", leave=False):
                 self._forward(*shape)  # warm-up: autotuning and lazy initialisation outside capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
@@ -97,22 +110,24 @@ class DecodeGraphs:
                 self.graphs[shape] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs for batch sizes up to %d", len(self.graphs), self.max_batch)
+        logger.info("captured %d %s CUDA graphs (%d tokens per request) for batch sizes up to %d",
+                    len(self.graphs), self.name, self.query_len, self.max_batch)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """Logits [B, V] of a decode batch of B <= max_batch requests."""
-        batch = len(metadata.seq_lens_host)
+        """Logits [B * query_len, V] of B <= max_batch requests adding query_len tokens each."""
+        batch = metadata.num_requests
+        tokens = batch * self.query_len
         bucket = self.buckets[bisect.bisect_left(self.buckets, batch)]
         context = self.contexts[bisect.bisect_left(self.contexts, metadata.max_seq_len)]
         width = metadata.block_tables.shape[1]
-        self.input_ids[:batch].copy_(input_ids, non_blocking=True)
-        self.positions[:batch].copy_(positions, non_blocking=True)
-        self.slot_mapping[:batch].copy_(metadata.slot_mapping, non_blocking=True)
+        self.input_ids[:tokens].copy_(input_ids, non_blocking=True)
+        self.positions[:tokens].copy_(positions, non_blocking=True)
+        self.slot_mapping[:tokens].copy_(metadata.slot_mapping, non_blocking=True)
         self.seq_lens[:batch].copy_(metadata.seq_lens, non_blocking=True)
         self.block_tables[:batch, :width].copy_(metadata.block_tables, non_blocking=True)
         if batch < bucket:
-            self.slot_mapping[batch:bucket].fill_(self.scratch_slot)
-            self.seq_lens[batch:bucket].fill_(1)
+            self.slot_mapping[tokens : bucket * self.query_len].fill_(self.scratch_slot)
+            self.seq_lens[batch:bucket].fill_(self.query_len)
             self.block_tables[batch:bucket].fill_(self.scratch_block)
         self.graphs[bucket, context].replay()
-        return self.logits[bucket, context][:batch]
+        return self.logits[bucket, context][:tokens]

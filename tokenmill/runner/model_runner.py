@@ -18,7 +18,7 @@ from tokenmill.models.llama import LlamaForCausalLM, head_dim_of
 from tokenmill.models.loader import CheckpointSource, iter_weights
 from tokenmill.models.registry import model_class
 from tokenmill.runner.batch import Chunk, pack, to_device
-from tokenmill.runner.cuda_graphs import DecodeGraphs
+from tokenmill.runner.cuda_graphs import MAX_CAPTURED_TOKENS, StepGraphs
 from tokenmill.runner.kv_scales import configure_kv_scales
 from tokenmill.runner.memory import kv_cache_budget, plan_num_blocks
 from tokenmill.sampling_params import SamplingParams
@@ -58,7 +58,9 @@ class BatchInputs:
     positions: torch.Tensor
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the packed batch whose next token is sampled
-    is_decode: bool  # every request adds exactly one token
+    # Tokens every request adds when all add the same number and every row is sampled (a decode
+    # or verify step: what CUDA graphs capture); None otherwise.
+    uniform_query_len: int | None
 
 
 class ModelRunner:
@@ -92,13 +94,21 @@ class ModelRunner:
         # One block beyond the pool: the scratch block that padded CUDA-graph rows write into.
         self._allocate_kv_caches(self.num_blocks + 1)
         configure_kv_scales(self, source)
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: list[StepGraphs] = []
         if not config.enforce_eager:
-            self.graphs = DecodeGraphs(
-                self.model, min(config.scheduler.max_num_seqs, 512), self.max_blocks_per_seq, self.num_blocks,
-                self.block_size, config.model.max_model_len, self.device,
-            )
-            self.graphs.capture()
+            max_batch = min(config.scheduler.max_num_seqs, MAX_CAPTURED_TOKENS)
+            self.graphs.append(self.step_graphs(self.model, max_batch))
+            if speculative.method is not None:
+                verify_len = 1 + speculative.num_speculative_tokens
+                self.graphs.append(self.step_graphs(
+                    self.model, min(max_batch, MAX_CAPTURED_TOKENS // verify_len), verify_len, "verify"))
+            for graphs in self.graphs:
+                graphs.capture()
+
+    def step_graphs(self, model: LlamaForCausalLM, max_batch: int, query_len: int = 1, name: str = "decode") -> StepGraphs:
+        """Graphs of `model` (the target, or a draft sharing its block tables) over this runner's cache layout."""
+        return StepGraphs(model, max_batch, self.max_blocks_per_seq, self.num_blocks, self.block_size,
+                          self.config.model.max_model_len, self.device, query_len, name)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -162,6 +172,7 @@ class ModelRunner:
         previous_rows: list[int] = []
         previous_index = {id(r): i for i, r in enumerate(previous.requests)} if previous else {}
         logits_indices: list[int] = []
+        query_lens: set[int] = set()
         row = 0
         for request, n, table in zip(batch.requests, batch.num_new_tokens, block_tables):
             start = request.num_computed_tokens
@@ -175,6 +186,7 @@ class ModelRunner:
                 previous_rows.append(previous_index[id(request)])
                 tokens.append(0)
             chunks.append(Chunk(tokens, start, table))
+            query_lens.add(n)
             row += n
             if start + n == request.num_tokens_with_drafts:
                 logits_indices.extend(range(row - len(request.draft_token_ids) - 1, row))
@@ -188,7 +200,7 @@ class ModelRunner:
             positions=positions,
             metadata=metadata,
             logits_indices=to_device(logits_indices, torch.int64, self.device),
-            is_decode=row == len(chunks),
+            uniform_query_len=query_lens.pop() if len(query_lens) == 1 and len(logits_indices) == row else None,
         )
 
     @torch.inference_mode()
@@ -254,8 +266,10 @@ class ModelRunner:
         if inputs.logits_indices.numel() == 0:
             self.model(inputs.input_ids, inputs.positions, inputs.metadata)
             return None
-        if self.graphs is not None and inputs.is_decode and inputs.metadata.num_requests <= self.graphs.max_batch:
-            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
+        if inputs.uniform_query_len is not None:
+            for graphs in self.graphs:
+                if graphs.accepts(inputs.metadata):
+                    return graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 

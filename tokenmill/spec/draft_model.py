@@ -11,6 +11,7 @@ by lowering that count to the target's.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,17 +19,19 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.engine.request import Request
 from tokenmill.errors import ConfigError
-from tokenmill.layers.attention import ATTENTION_BACKENDS
+from tokenmill.layers.attention import ATTENTION_BACKENDS, AttentionMetadata
+from tokenmill.layers.linear import Linear
 from tokenmill.layers.sampler import SamplingMetadata, SamplingRow, processed_probs
 from tokenmill.models.llama import head_dim_of
 from tokenmill.models.loader import iter_weights, load_hf_config, resolve_model
 from tokenmill.models.registry import model_class
-from tokenmill.runner.batch import Chunk, pack
+from tokenmill.runner.batch import Chunk, pack, to_device
 from tokenmill.runner.model_runner import init_dummy_weights
 from tokenmill.spec.draft_vocab import load_draft_vocab
 
 if TYPE_CHECKING:
     from tokenmill.engine.kv_cache import KVCacheManager
+    from tokenmill.runner.cuda_graphs import StepGraphs
     from tokenmill.runner.model_runner import ModelRunner
 
 KV_DTYPES = {"fp8": torch.float8_e4m3fn}
@@ -72,7 +75,8 @@ class DraftModel:
             raise ConfigError(f"draft_vocab has ids up to {int(ids.max())} beyond the draft's vocabulary")
         head = self.model.lm_head
         rows = head.weight.detach()[ids.to(self.device)].clone()
-        self.model.lm_head = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=self.device, dtype=rows.dtype)
+        self.model.lm_head = Linear(rows.shape[1], rows.shape[0], bias=False, one_row_kernel=self.device.type == "cuda",
+                                    device=self.device, dtype=rows.dtype)
         self.model.lm_head.weight.data.copy_(rows)
         self.vocab_ids = ids.to(self.device)
 
@@ -88,6 +92,15 @@ class DraftModel:
 
 
 class DraftModelProposer:
+    """Drafts gamma tokens per request with the draft model, all on the device.
+
+    A proposal is one catch-up forward (the tokens verified since the last proposal: one or
+    two in steady state, always two under CUDA graphs, where the draft recomputes the KV of
+    the token before the new one) and then one single-token forward per further draft, each
+    fed the token the previous one sampled without leaving the device. The host reads the
+    drafts once, at the end, unless a request's penalties need each draft on the host.
+    """
+
     def __init__(self, config: EngineConfig, draft: DraftModel, target: ModelRunner, kv: KVCacheManager) -> None:
         if draft.hf_config.vocab_size > target.vocab_size:
             raise ConfigError(
@@ -98,38 +111,76 @@ class DraftModelProposer:
         self.kv = kv
         self.vocab_size = target.vocab_size
         self.greedy = config.speculative.draft_sampling == "greedy"
+        self.scratch_slot = target.num_blocks * draft.block_size
         draft.allocate_kv(target.num_blocks + 1)
+        self.decode_graphs: StepGraphs | None = None
+        self.catch_up_graphs: StepGraphs | None = None
+        if target.graphs:
+            max_batch = target.graphs[0].max_batch
+            self.decode_graphs = target.step_graphs(draft.model, max_batch, 1, "draft decode")
+            self.catch_up_graphs = target.step_graphs(draft.model, max_batch, 2, "draft catch-up")
+            self.decode_graphs.capture()
+            self.catch_up_graphs.capture()
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> None:
-        requests = [r for r, limit in zip(requests, limits) if self._reserve(r, limit)]
-        limits = [limit for r, limit in zip(requests, limits)]
+        kept = [(r, limit) for r, limit in zip(requests, limits) if self._reserve(r, limit)]
+        if not kept:
+            return
+        requests, limits = [r for r, _ in kept], [limit for _, limit in kept]
         for r in requests:
             r.draft_token_ids, r.draft_probs = [], None
-        probs: list[list[torch.Tensor]] = [[] for _ in requests]
-        active = list(range(len(requests)))
-        for step in range(max(limits, default=0)):
-            chunks = []
-            for i in active:
-                r = requests[i]
-                tokens = r.all_token_ids + r.draft_token_ids
-                chunks.append(Chunk(tokens[r.draft_num_computed :], r.draft_num_computed, self.kv.block_tables[r.request_id]))
-                r.draft_num_computed = len(tokens)
-            ids, positions, metadata = pack(chunks, self.draft.block_size, self.draft.device)
-            hidden = self.draft.model(ids, positions, metadata)
-            last_rows = metadata.query_start_loc[1:].long() - 1
-            logits = self._full_vocab_logits(self.draft.model.compute_logits(hidden[last_rows]))
-            q = processed_probs(logits, SamplingMetadata.build(
-                [self._row(requests[i]) for i in active], self.vocab_size, self.draft.device))
-            tokens = _sample(q).tolist()
-            for i, token, row in zip(active, tokens, q):
-                requests[i].draft_token_ids.append(token)
-                probs[i].append(row)
-            active = [i for i in active if len(requests[i].draft_token_ids) < limits[i]]
-        for r, q_rows in zip(requests, probs):
+        tables = [self.kv.block_tables[r.request_id] for r in requests]
+        gamma = max(limits)
+        device = self.draft.device
+        tokens = torch.empty(gamma, len(requests), dtype=torch.int64, device=device)
+        probs: list[torch.Tensor] = []
+        host_drafts = any(r.params.uses_penalties for r in requests)  # penalties count every draft
+        steps = _DecodeSteps(requests, tables, limits, self.draft.block_size, self.scratch_slot, device)
+        metadata, banned = None, None
+        for step in range(gamma):
+            logits = self._catch_up(requests, tables) if step == 0 else self._decode(tokens[step - 1], steps.metadata(step))
+            step_banned = [r.banned_token_ids(extra_outputs=step) for r in requests]
+            if metadata is None or host_drafts or step_banned != banned:
+                metadata = SamplingMetadata.build([self._row(r, step, bans) for r, bans in zip(requests, step_banned)],
+                                                  self.vocab_size, device)
+                banned = step_banned
+            q = processed_probs(self._full_vocab_logits(logits), metadata)
+            if self.greedy:  # q is one-hot at the draft
+                tokens[step] = q.argmax(dim=-1)
+            else:
+                tokens[step] = _sample(q)
+                probs.append(q)
+            if host_drafts:
+                for r, token in zip(requests, tokens[step].tolist()):
+                    r.draft_token_ids.append(token)
+        drafts = tokens.T.tolist()
+        stacked = torch.stack(probs, dim=1) if probs else None
+        for b, (r, limit) in enumerate(zip(requests, limits)):
+            r.draft_token_ids = drafts[b][:limit]
             # The last draft's own KV is never computed here: the target's verify step follows.
-            r.draft_num_computed = len(r.all_token_ids) + len(r.draft_token_ids) - 1
-            r.draft_probs = None if self.greedy or not q_rows else torch.stack(q_rows)
+            r.draft_num_computed = len(r.all_token_ids) + limit - 1
+            r.draft_probs = None if stacked is None else stacked[b, :limit]
+
+    def _catch_up(self, requests: Sequence[Request], tables: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Draft logits after each request's last known token, computing the tokens the draft's
+        cache lacks."""
+        model, graphs = self.draft.model, self.catch_up_graphs
+        behind = [len(r.all_token_ids) - r.draft_num_computed for r in requests]
+        if graphs is not None and len(requests) <= graphs.max_batch and all(1 <= n <= 2 for n in behind):
+            chunks = [Chunk(r.all_token_ids[-2:], len(r.all_token_ids) - 2, t) for r, t in zip(requests, tables)]
+            ids, positions, metadata = pack(chunks, self.draft.block_size, self.draft.device)
+            return graphs.run(ids, positions, metadata)[1::2]
+        chunks = [Chunk(r.all_token_ids[r.draft_num_computed :], r.draft_num_computed, t) for r, t in zip(requests, tables)]
+        ids, positions, metadata = pack(chunks, self.draft.block_size, self.draft.device)
+        hidden = model(ids, positions, metadata)
+        return model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1])
+
+    def _decode(self, ids: torch.Tensor, step: tuple[torch.Tensor, AttentionMetadata]) -> torch.Tensor:
+        positions, metadata = step
+        if self.decode_graphs is not None and self.decode_graphs.accepts(metadata):
+            return self.decode_graphs.run(ids, positions, metadata)
+        return self.draft.model.compute_logits(self.draft.model(ids, positions, metadata))
 
     def forget(self, request_id: str) -> None:
         pass  # per-request state lives on the Request
@@ -138,23 +189,63 @@ class DraftModelProposer:
         """Room in the shared block table for the drafts' positions (False: draft nothing)."""
         return limit > 0 and self.kv.allocate_slots(request, request.num_tokens - request.num_computed_tokens + limit)
 
-    def _row(self, request: Request) -> SamplingRow:
+    def _row(self, request: Request, step: int, banned: list[int]) -> SamplingRow:
         params = request.params
         if self.greedy and not params.greedy:
-            from dataclasses import replace
-
             params = replace(params, temperature=0.0)
-        return SamplingRow(params, request.prompt_token_ids, request.output_token_ids + request.draft_token_ids, None,
-                           request.banned_token_ids(extra_outputs=len(request.draft_token_ids)))
+        return SamplingRow(params, request.prompt_token_ids, request.output_token_ids + request.draft_token_ids[:step], None,
+                           banned)
 
     def _full_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary (-inf outside the draft vocabulary)."""
+        if self.draft.vocab_ids is None and logits.shape[1] == self.vocab_size:
+            return logits
         full = torch.full((logits.shape[0], self.vocab_size), float("-inf"), dtype=torch.float32, device=logits.device)
         if self.draft.vocab_ids is not None:
             full[:, self.draft.vocab_ids] = logits.float()
         else:
             full[:, : logits.shape[1]] = logits.float()
         return full
+
+
+class _DecodeSteps:
+    """Positions, slots and lengths of every single-token draft step, uploaded at once.
+
+    Step s (s >= 1) feeds draft s at position L + s - 1 of a request of L known tokens. A request
+    whose limit is below s rides along on its last live position, writing its KV to the scratch
+    slot; its logits are ignored.
+    """
+
+    def __init__(self, requests: Sequence[Request], tables: Sequence[Sequence[int]], limits: Sequence[int],
+                 block_size: int, scratch_slot: int, device: torch.device) -> None:
+        gamma = max(limits)
+        positions, slots = [], []
+        for step in range(1, gamma):
+            step_positions, step_slots = [], []
+            for r, table, limit in zip(requests, tables, limits):
+                pos = len(r.all_token_ids) + min(step, limit) - 1
+                step_positions.append(pos)
+                step_slots.append(table[pos // block_size] * block_size + pos % block_size if step < limit else scratch_slot)
+            positions.append(step_positions)
+            slots.append(step_slots)
+        self.seq_lens_host = [[p + 1 for p in row] for row in positions]
+        width = max(len(t) for t in tables)
+        self.block_tables = to_device([list(t) + [0] * (width - len(t)) for t in tables], torch.int32, device)
+        self.query_start_loc = torch.arange(len(requests) + 1, dtype=torch.int32, device=device)
+        self.positions = to_device(positions, torch.int64, device)
+        self.slots = to_device(slots, torch.int64, device)
+        self.seq_lens = to_device(self.seq_lens_host, torch.int32, device)
+
+    def metadata(self, step: int) -> tuple[torch.Tensor, AttentionMetadata]:
+        i = step - 1
+        return self.positions[i], AttentionMetadata(
+            query_start_loc=self.query_start_loc,
+            seq_lens=self.seq_lens[i],
+            block_tables=self.block_tables,
+            slot_mapping=self.slots[i],
+            query_lens_host=[1] * len(self.seq_lens_host[i]),
+            seq_lens_host=self.seq_lens_host[i],
+        )
 
 
 def _sample(probs: torch.Tensor) -> torch.Tensor:

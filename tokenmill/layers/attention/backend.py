@@ -41,6 +41,9 @@ class AttentionBackend(ABC):
     """Owns a KV layout and computes causal GQA attention over it."""
 
     name: str
+    # True when `attend` reads a cache whose step was written by someone else (the fused rotary +
+    # KV write kernel), so a layer may skip `forward`'s own write.
+    attends_prewritten_cache: bool = False
 
     @staticmethod
     def check_supported(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
@@ -66,3 +69,8 @@ class AttentionBackend(ABC):
 
         An FP8 cache stores k / k_scale and v / v_scale; reads multiply the scales back.
         """
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+               k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        """Attention over a cache that already holds this step's keys and values."""
+        raise NotImplementedError(f"the {self.name} backend writes and attends in one call (forward)")

@@ -28,6 +28,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    attends_prewritten_cache = True
 
     def __init__(self, num_splits: int | None = None, min_split_tokens: int | None = None) -> None:
         """num_splits: force the KV split count of every launch (None: chosen per batch).
@@ -53,7 +54,8 @@ class TritonAttentionBackend(AttentionBackend):
             raise ConfigError(f"the triton attention backend takes head sizes 16..256, not {head_dim}")
 
     def plan(
-        self, metadata: AttentionMetadata, num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+        self, metadata: AttentionMetadata, num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
+        device: torch.device, fp8_kv: bool = False,
     ) -> AttentionPlan:
         """The launch plan for this batch, from host-side sizes only."""
         return self._attention.plan_attention(
@@ -67,6 +69,7 @@ class TritonAttentionBackend(AttentionBackend):
             device=device,
             num_splits=self.num_splits,
             min_split_tokens=self.min_split_tokens,
+            fp8_kv=fp8_kv,
         )
 
     def forward(
@@ -81,8 +84,12 @@ class TritonAttentionBackend(AttentionBackend):
         v_scale: float = 1.0,
     ) -> torch.Tensor:
         self._kv_cache.write_kv_cache(k, v, kv_cache, metadata.slot_mapping, k_scale, v_scale)
+        return self.attend(q, kv_cache, metadata, scale, k_scale, v_scale)
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+               k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
-        plan = self.plan(metadata, num_tokens, num_heads, k.shape[1], head_dim, q.device)
+        plan = self.plan(metadata, num_tokens, num_heads, kv_cache.shape[3], head_dim, q.device, kv_cache.dtype == FP8_KV_DTYPE)
         return self._attention.paged_attention(
             q,
             kv_cache[0],

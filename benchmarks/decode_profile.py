@@ -1,0 +1,274 @@
+"""Where a batch-1 decode step's time goes, on one GPU (Llama-3.1-8B shape, random weights).
+
+    python benchmarks/decode_profile.py [--skip gemv,kernels,spec]
+
+  gemv     each projection of the model at M = 1: cuBLAS (torch's linear) against tokenmill's
+           one-row kernel with its chosen tile and a few others, every weight cycled through
+           copies larger than L2; GB/s and ratio to the copy rate.
+  kernels  one captured decode step (context 128, and 32k with FP8 KV) under the profiler:
+           device time per kernel family, their sum against the replay's wall time (the
+           gaps between kernels), and the engine's tok/s against the bare replay rate (what
+           the host loop and the sampler add).
+  spec     plain and speculative decoding (1B-shape draft, accept-all) under the profiler: how
+           long the GPU idles per step, attributed to the host phase running at the time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import json
+import os
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_bench import LLAMA_31_8B, copy_bandwidth, decode_rate  # noqa: E402
+
+from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill.config import BENCHMARK_ACCEPT_ALL, BENCHMARK_ACCEPT_ALL_ENV  # noqa: E402
+from tokenmill.kernels.gemv import GemvTile, gemv, gemv_tile  # noqa: E402
+
+L2_BYTES = 64 << 20
+PROJECTIONS = {  # name: (N, K) of Llama-3.1-8B
+    "qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
+    "down_proj": (4096, 14336), "lm_head": (128256, 4096),
+}
+DRAFT_PROJECTIONS = {"1B qkv_proj": (3072, 2048), "1B o_proj": (2048, 2048), "1B gate_up": (16384, 2048),
+                     "1B down": (2048, 8192)}
+TILES = [GemvTile(n, k, w, s) for n, k, w, s in (
+    (4, 512, 4, 4), (8, 256, 4, 4), (8, 512, 4, 3), (8, 512, 4, 4), (8, 512, 8, 4), (8, 1024, 8, 3),
+    (16, 256, 4, 4), (16, 512, 8, 3), (16, 512, 8, 4), (32, 256, 8, 3))]
+
+
+def graph_time(fn: Callable[[], object], repeats: int = 20) -> float:
+    """Median seconds of one replay of fn captured in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for start, end in pairs:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in pairs) / 1e3
+
+
+def bench_gemv(copy_gbs: float) -> None:
+    print("\n## one-row matmul: GB/s of weight bytes (ratio to copy rate)")
+    for name, (n, k) in {**PROJECTIONS, **DRAFT_PROJECTIONS}.items():
+        copies = max(2, -(-2 * L2_BYTES // (n * k * 2)))
+        weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
+        for m in (1,):
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            nbytes = copies * n * k * 2
+            ref = F.linear(x, weights[0]).float()
+            results = {"cublas": graph_time(lambda: [F.linear(x, w) for w in weights])}
+            for tile in [gemv_tile(n, k), *TILES]:
+                err = (gemv(x, weights[0], tile=tile).float() - ref).abs().max().item()
+                if err > 2e-2 * ref.abs().max().item():
+                    results[f"{tile} WRONG {err:.3g}"] = float("inf")
+                    continue
+                results[f"n{tile.block_n} k{tile.block_k} w{tile.num_warps} s{tile.num_stages}"] = graph_time(
+                    lambda t=tile: [gemv(x, w, tile=t) for w in weights])
+            best = min((v, key) for key, v in results.items() if key != "cublas")
+            cub, chosen = results["cublas"], next(v for key, v in results.items() if key != "cublas")
+            print(f"{name:<14} M={m}  cublas {nbytes / cub / 1e9:7.0f} GB/s ({nbytes / cub / 1e9 / copy_gbs:4.0%})"
+                  f"  chosen {nbytes / chosen / 1e9:7.0f} GB/s ({nbytes / chosen / 1e9 / copy_gbs:4.0%})"
+                  f"  best {nbytes / best[0] / 1e9:7.0f} GB/s ({nbytes / best[0] / 1e9 / copy_gbs:4.0%}) [{best[1]}]",
+                  flush=True)
+        weights.clear()
+        torch.cuda.empty_cache()
+
+
+def kernel_family(name: str) -> str:
+    lowered = name.lower()
+    for key, family in (("gemv", "gemv (triton)"), ("paged_attention", "attention"), ("merge", "attention merge"),
+                        ("rms", "rmsnorm"), ("rotary", "rotary"), ("silu", "silu_mul"), ("kv_cache", "kv write"),
+                        ("write_kv", "kv write"), ("gemm", "matmul (cublas)"), ("sm90", "matmul (cublas)"),
+                        ("cutlass", "matmul (cublas)"), ("nvjet", "matmul (cublas)"), ("embedding", "embedding"),
+                        ("index", "embedding")):
+        if key in lowered:
+            return family
+    return name[:60]
+
+
+def profile_replay(replay: Callable[[], None], label: str, iters: int = 10) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    wall = graph_time_of(replay)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            replay()
+        torch.cuda.synchronize()
+    families: dict[str, float] = collections.defaultdict(float)
+    counts: dict[str, int] = collections.defaultdict(int)
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.self_device_time_total > 0:
+            family = kernel_family(event.key)
+            families[family] += event.self_device_time_total / iters
+            counts[family] += event.count
+    if not families:
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30))
+        return
+    total = sum(families.values())
+    print(f"\n## {label}: replay {wall * 1e3:.3f} ms wall, kernels {total / 1e3:.3f} ms "
+          f"({sum(counts.values()) // iters} launches), gaps {wall * 1e3 - total / 1e3:.3f} ms")
+    for family, us in sorted(families.items(), key=lambda kv: -kv[1])[:14]:
+        print(f"  {family:<40} {us:9.1f} us  {us / total:5.1%}  x{counts[family] // iters}")
+
+
+def graph_time_of(replay: Callable[[], None], repeats: int = 20) -> float:
+    replay()
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for start, end in pairs:
+        start.record()
+        replay()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in pairs) / 1e3
+
+
+def bench_kernels(config_dir: str, copy_gbs: float) -> None:
+    common = dict(load_format="dummy", dtype="bfloat16", max_model_len=36 * 1024, max_num_seqs=4)
+    for kv_dtype, context in (("auto", 128), ("fp8", 32768)):
+        llm = LLM(config_dir, kv_cache_bytes=8 << 30, kv_cache_dtype=kv_dtype, **common)
+        runner = llm.engine.runner
+        graphs = runner.graphs[0]
+        bucket = (1, graphs.contexts[bisect.bisect_left(graphs.contexts, context)])
+        graphs.seq_lens[:1].fill_(context)
+        blocks = -(-context // runner.block_size)
+        graphs.block_tables[0, :blocks] = torch.arange(blocks, dtype=torch.int32, device="cuda")
+        graphs.slot_mapping[:1].fill_(context - 1)
+        replay = graphs.graphs[bucket].replay
+        profile_replay(replay, f"decode graph bs=1, context {context}, KV {kv_dtype}, bucket {bucket}")
+        rate = decode_rate(llm, context if context <= 128 else context - 256, 64)
+        bare = 1 / graph_time_of(replay)
+        weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+        kv_bytes = context * runner.kv_bytes_per_block() / runner.block_size
+        print(f"  engine {rate:.1f} tok/s vs bare replay {bare:.1f} tok/s ({rate / bare:.1%});"
+              f" roofline {copy_gbs * 1e9 / (weights + kv_bytes):.1f} tok/s")
+        del llm, runner, graphs
+        torch.cuda.empty_cache()
+
+
+def spec_phases() -> list[tuple[object, str]]:
+    """(owner, attribute) of the host phases of a speculative step, labelled in the profile."""
+    from tokenmill.engine.engine import LLMEngine
+    from tokenmill.engine.scheduler import Scheduler
+    from tokenmill.layers import sampler
+    from tokenmill.runner.model_runner import ModelRunner
+    from tokenmill.spec import draft_model, target_step
+
+    return [(LLMEngine, "_propose"), (LLMEngine, "_resolve"), (LLMEngine, "_append_tokens"), (Scheduler, "schedule"),
+            (ModelRunner, "prepare_inputs"), (ModelRunner, "_logits"), (ModelRunner, "_copy_to_host"),
+            (target_step, "verify_drafts"), (ModelRunner, "execute"), (sampler.Sampler, "forward"),
+            (draft_model.DraftModelProposer, "_catch_up"),
+            (draft_model.DraftModelProposer, "_decode"), (draft_model.DraftModelProposer, "_reserve"),
+            (draft_model, "_DecodeSteps"), (sampler.SamplingMetadata, "build"), (draft_model, "processed_probs")]
+
+
+def labelled(owner: object, name: str) -> None:
+    original = getattr(owner, name)
+    is_static = isinstance(vars(owner).get(name), (classmethod, staticmethod)) if isinstance(owner, type) else False
+
+    def wrapper(*args, **kwargs):
+        with torch.profiler.record_function(f"phase:{name}"):
+            return original(*args, **kwargs)
+
+    setattr(owner, name, classmethod(lambda cls, *a, **k: wrapper(*a, **k)) if is_static else wrapper)
+
+
+def idle_profile(llm: LLM, label: str, new_tokens: int = 64) -> None:
+    """Where the GPU idles while `llm` decodes one request, attributed to the host phase running then."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    prompt = list(range(1000, 1128))
+    llm.generate([prompt[::-1]], params)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate([prompt[1:]], params)
+        torch.cuda.synchronize()
+    events = prof.events()
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
+                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    phases = [(e.time_range.start, e.time_range.end, e.name[6:]) for e in events if e.name.startswith("phase:")]
+    busy, gaps = 0.0, collections.defaultdict(float)
+    end = kernels[0][0]
+    for start, stop in kernels:
+        if start > end:
+            covering = [p for p in phases if p[0] <= (start + end) / 2 <= p[1]]
+            phase = min(covering, key=lambda p: p[1] - p[0])[2] if covering else "(no phase)"
+            gaps[phase] += start - end
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    window = end - kernels[0][0]
+    stats = llm.engine.spec_stats
+    steps = new_tokens / (stats.mean_acceptance_length if stats.num_drafts else 1)
+    print(f"\n## {label}, {new_tokens} tokens: GPU window {window / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms, idle "
+          f"{(window - busy) / 1e3:.1f} ms over ~{steps:.0f} steps ({(window - busy) / steps / 1e3:.3f} ms per step)")
+    for phase, us in sorted(gaps.items(), key=lambda kv: -kv[1])[:8]:
+        print(f"  idle while {phase:<28} {us / steps:8.1f} us per step")
+    families: dict[str, float] = collections.defaultdict(float)
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.self_device_time_total > 0:
+            families[kernel_family(event.key)] += event.self_device_time_total
+    for family, us in sorted(families.items(), key=lambda kv: -kv[1])[:14]:
+        print(f"  device {family:<44} {us / steps:8.1f} us per step")
+
+
+def bench_idle(target_dir: str, draft_dir: str) -> None:
+    for owner, name in spec_phases():
+        labelled(owner, name)
+    common = dict(load_format="dummy", dtype="bfloat16", max_model_len=4096, kv_cache_bytes=8 << 30, max_num_seqs=4)
+    llm = LLM(target_dir, **common)
+    idle_profile(llm, "plain decode bs=1")
+    del llm
+    os.environ[BENCHMARK_ACCEPT_ALL_ENV] = "1"
+    llm = LLM(target_dir, **common, speculative_config={
+        "method": "draft_model", "model": draft_dir, "num_speculative_tokens": 4, "draft_sampling": "greedy",
+        "verification": BENCHMARK_ACCEPT_ALL})
+    idle_profile(llm, "spec accept-all bs=1, 1B-shape draft, gamma 4")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: gemv, kernels, spec")
+    args = parser.parse_args()
+    skip = set(args.skip.split(","))
+    copy_gbs = copy_bandwidth() / 1e9
+    print(f"{torch.cuda.get_device_name()}: copy {copy_gbs:.0f} GB/s", flush=True)
+    if "gemv" not in skip:
+        bench_gemv(copy_gbs)
+    with tempfile.TemporaryDirectory() as tmp:
+        from spec_bench import LLAMA_32_1B
+
+        target_dir, draft_dir = Path(tmp, "target"), Path(tmp, "draft")
+        for path, config in ((target_dir, LLAMA_31_8B), (draft_dir, LLAMA_32_1B)):
+            path.mkdir()
+            (path / "config.json").write_text(json.dumps(config))
+        if "kernels" not in skip:
+            bench_kernels(str(target_dir), copy_gbs)
+        if "spec" not in skip:
+            bench_idle(str(target_dir), str(draft_dir))
+
+
+if __name__ == "__main__":
+    main()
