@@ -71,6 +71,11 @@ class SamplingMetadata:
     banned_flat_ids: torch.Tensor | None = None  # [B] int64 flat indices to set to -inf
     penalties: PenaltyTensors | None = None
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row greedy with nothing to apply first: the sample is the logits' argmax."""
+        return self.all_greedy and self.banned_flat_ids is None and self.penalties is None and self.max_num_logprobs is None
+
     @classmethod
     def build(
         cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device
@@ -199,6 +204,8 @@ class Sampler(torch.nn.Module):
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         _check_shape(logits, metadata)
+        if metadata.plain_greedy:  # argmax of the raw logits: no copy (float32 widening is exact)
+            return SamplerOutput(row_argmax(logits), None, None)
         # A private float32 copy: the caller's logits are never modified.
         logits = logits.to(dtype=torch.float32, copy=True)
         raw_logprobs = None

@@ -27,7 +27,9 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 
 
 def pack(chunks: Sequence[Chunk], block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """(input ids, positions, metadata); request i's rows end at metadata.query_start_loc[i + 1]."""
+    """(input ids, positions, metadata); request i's rows end at metadata.query_start_loc[i + 1].
+
+    Two uploads in all (one int64 buffer, one int32 buffer) whose slices are the tensors."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -42,12 +44,16 @@ def pack(chunks: Sequence[Chunk], block_size: int, device: torch.device) -> tupl
         query_start.append(query_start[-1] + len(chunk.token_ids))
         seq_lens.append(end)
     width = max(len(c.block_table) for c in chunks)
+    tables = [t for c in chunks for t in (*c.block_table, *[0] * (width - len(c.block_table)))]
+    tokens, batch = len(input_ids), len(chunks)
+    wide = to_device(input_ids + positions + slots, torch.int64, device)
+    narrow = to_device(query_start + seq_lens + tables, torch.int32, device)
     metadata = AttentionMetadata(
-        query_start_loc=to_device(query_start, torch.int32, device),
-        seq_lens=to_device(seq_lens, torch.int32, device),
-        block_tables=to_device([list(c.block_table) + [0] * (width - len(c.block_table)) for c in chunks], torch.int32, device),
-        slot_mapping=to_device(slots, torch.int64, device),
+        query_start_loc=narrow[: batch + 1],
+        seq_lens=narrow[batch + 1 : 2 * batch + 1],
+        block_tables=narrow[2 * batch + 1 :].view(batch, width),
+        slot_mapping=wide[2 * tokens :],
         query_lens_host=[len(c.token_ids) for c in chunks],
         seq_lens_host=seq_lens,
     )
-    return to_device(input_ids, torch.int64, device), to_device(positions, torch.int64, device), metadata
+    return wide[:tokens], wide[tokens : 2 * tokens], metadata

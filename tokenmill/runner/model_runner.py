@@ -193,8 +193,12 @@ class ModelRunner:
         ids, positions, metadata = pack(chunks, self.block_size, self.device)
         if placeholder_rows:
             assert previous is not None
-            ids[to_device(placeholder_rows, torch.int64, self.device)] = previous.sampled.sampled_token_ids[
-                to_device(previous_rows, torch.int64, self.device)]
+            sampled = previous.sampled.sampled_token_ids
+            if placeholder_rows == previous_rows == list(range(row)) and sampled.shape == (row,):
+                ids = sampled  # steady decode: this step's inputs are the last step's samples, in order
+            else:
+                ids[to_device(placeholder_rows, torch.int64, self.device)] = sampled[
+                    to_device(previous_rows, torch.int64, self.device)]
         return BatchInputs(
             input_ids=ids,
             positions=positions,
