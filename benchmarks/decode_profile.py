@@ -20,7 +20,6 @@ import bisect
 import collections
 import json
 import os
-import statistics
 import sys
 import tempfile
 from collections.abc import Callable
@@ -32,7 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_bench import LLAMA_31_8B, copy_bandwidth, decode_rate  # noqa: E402
+from gpu_bench import LLAMA_31_8B, copy_bandwidth, decode_rate, replay_seconds  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.config import BENCHMARK_ACCEPT_ALL, BENCHMARK_ACCEPT_ALL_ENV  # noqa: E402
@@ -60,14 +59,7 @@ def graph_time(fn: Callable[[], object], repeats: int = 20) -> float:
         with torch.cuda.graph(graph, stream=stream):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-    for start, end in pairs:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in pairs) / 1e3
+    return replay_seconds(graph.replay, repeats)
 
 
 def bench_gemv(copy_gbs: float) -> None:
@@ -112,7 +104,7 @@ def kernel_family(name: str) -> str:
 def profile_replay(replay: Callable[[], None], label: str, iters: int = 10) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    wall = graph_time_of(replay)
+    wall = replay_seconds(replay)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             replay()
@@ -134,17 +126,6 @@ def profile_replay(replay: Callable[[], None], label: str, iters: int = 10) -> N
         print(f"  {family:<40} {us:9.1f} us  {us / total:5.1%}  x{counts[family] // iters}")
 
 
-def graph_time_of(replay: Callable[[], None], repeats: int = 20) -> float:
-    replay()
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-    for start, end in pairs:
-        start.record()
-        replay()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in pairs) / 1e3
-
-
 def bench_kernels(config_dir: str, copy_gbs: float) -> None:
     common = dict(load_format="dummy", dtype="bfloat16", max_model_len=36 * 1024, max_num_seqs=4)
     for kv_dtype, context in (("auto", 128), ("fp8", 32768)):
@@ -159,7 +140,7 @@ def bench_kernels(config_dir: str, copy_gbs: float) -> None:
         replay = graphs.graphs[bucket].replay
         profile_replay(replay, f"decode graph bs=1, context {context}, KV {kv_dtype}, bucket {bucket}")
         rate = decode_rate(llm, context if context <= 128 else context - 256, 64)
-        bare = 1 / graph_time_of(replay)
+        bare = 1 / replay_seconds(replay)
         weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         kv_bytes = context * runner.kv_bytes_per_block() / runner.block_size
         print(f"  engine {rate:.1f} tok/s vs bare replay {bare:.1f} tok/s ({rate / bare:.1%});"

@@ -45,6 +45,18 @@ def median_time(fn: Callable[[], object], repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+def replay_seconds(replay: Callable[[], object], repeats: int = 20) -> float:
+    """Median device seconds of one call of `replay` (a CUDA graph's replay), timed by events after a warm-up."""
+    replay()
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for start, end in pairs:
+        start.record()
+        replay()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in pairs) / 1e3
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy, bytes read + written per second."""
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
@@ -68,12 +80,15 @@ def random_prompt(n: int, rng: random.Random) -> list[int]:
     return [rng.randrange(1000, 100000) for _ in range(n)]
 
 
-def decode_rate(llm: LLM, prompt_len: int, new_tokens: int, batch: int = 1, seed: int = 0) -> float:
-    """Decode tok/s (per batch) as (t(N+1) - t(1)) / N, so prefill is excluded."""
+def decode_rate(
+    llm: LLM, prompt_len: int, new_tokens: int, batch: int = 1, seed: int = 0, prompt: list[int] | None = None
+) -> float:
+    """Decode tok/s (per batch) as (t(N+1) - t(1)) / N, so prefill is excluded. Prompts are fresh
+    random ones each run, or `prompt` every time (then prefix-cache hits cancel out too)."""
     rng = random.Random(seed)
 
     def run(n: int) -> float:
-        prompts = [random_prompt(prompt_len, rng) for _ in range(batch)]
+        prompts = [prompt or random_prompt(prompt_len, rng) for _ in range(batch)]
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -81,7 +96,7 @@ def decode_rate(llm: LLM, prompt_len: int, new_tokens: int, batch: int = 1, seed
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    run(4)
+    run(4), run(4)  # the second warm-up takes the prefix-cache path a fixed prompt takes from then on
     one = statistics.median(run(1) for _ in range(3))
     many = statistics.median(run(new_tokens + 1) for _ in range(3))
     return batch * new_tokens / (many - one)

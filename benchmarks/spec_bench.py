@@ -17,10 +17,8 @@ import argparse
 import bisect
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy
@@ -29,9 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_bench import LLAMA_31_8B, decode_rate  # noqa: E402
+from gpu_bench import LLAMA_31_8B, decode_rate, replay_seconds  # noqa: E402
 
-from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill import LLM  # noqa: E402
 from tokenmill.config import BENCHMARK_ACCEPT_ALL, BENCHMARK_ACCEPT_ALL_ENV  # noqa: E402
 from tokenmill.runner.cuda_graphs import StepGraphs  # noqa: E402
 
@@ -56,32 +54,7 @@ def graph_step_ms(graphs: StepGraphs, batch: int, context: int, repeats: int = 2
         graphs.slot_mapping[b * q : (b + 1) * q] = table[positions // size].long() * size + positions % size
     bucket = graphs.buckets[bisect.bisect_left(graphs.buckets, batch)]
     graph = graphs.graphs[bucket, graphs.contexts[bisect.bisect_left(graphs.contexts, context)]]
-    graph.replay()
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-    for start, end in pairs:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in pairs)
-
-
-def prompt_decode_rate(llm: LLM, prompt: list[int], new_tokens: int) -> float:
-    """Batch-1 decode tok/s continuing `prompt`, as (t(N+1) - t(1)) / N: prefill and prefix-cache
-    effects cancel (each length is timed after a warm-up run of the same kind)."""
-
-    def run(n: int) -> float:
-        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        llm.generate([prompt], params)
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    run(1), run(new_tokens + 1)
-    one = statistics.median(run(1) for _ in range(3))
-    many = statistics.median(run(new_tokens + 1) for _ in range(3))
-    return new_tokens / (many - one)
+    return 1e3 * replay_seconds(graph.replay, repeats)
 
 
 def main() -> None:
@@ -105,7 +78,7 @@ def main() -> None:
         plain = LLM(str(target_dir), **common)
         base = decode_rate(plain, 128, args.tokens)
         report("bs=1 decode, no speculation (CUDA graphs)", base, "tok/s")
-        base_rep = prompt_decode_rate(plain, repetitive, args.tokens)
+        base_rep = decode_rate(plain, len(repetitive), args.tokens, prompt=repetitive)
         report("bs=1 decode, no speculation, repetitive prompt", base_rep, "tok/s")
         del plain
         torch.cuda.empty_cache()
@@ -116,7 +89,7 @@ def main() -> None:
             one, many = graph_step_ms(decode, batch, 512), graph_step_ms(verify, batch, 512)
             report(f"verify step cost, bs={batch}, ctx 512: (1+{args.gamma}) / 1 token (graphs)", many / one, "x")
             report(f"  1-token step / verify step, bs={batch}", one, f"/ {many:.3f} ms")
-        rate = prompt_decode_rate(ngram, repetitive, args.tokens)
+        rate = decode_rate(ngram, len(repetitive), args.tokens, prompt=repetitive)
         report("bs=1 decode, n-gram, repetitive prompt (random weights)", rate, "tok/s")
         report("  ratio to no speculation on the same prompt", rate / base_rep, "x")
         report("  n-gram mean acceptance length", ngram.engine.spec_stats.mean_acceptance_length, "")

@@ -130,7 +130,7 @@ def test_rotate_and_cache_equals_rotary_then_kv_write(tokens, heads, kv_heads, h
     qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, device=device, dtype=dtype)
     q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
     positions = torch.randint(0, 500, (tokens,), device=device)
-    cos, sin = torch.randn(512, head_dim, device=device), torch.randn(512, head_dim, device=device)
+    cos, sin = rope_cache(512, head_dim, device)
     page, blocks = 4, tokens + 2
     slots = torch.randperm(blocks * page, device=device)[:tokens]
     slots[0] = -1

@@ -30,7 +30,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def generate(model_dir: Path, **kwargs) -> list[list[int]]:
+def generate(model_dir: Path, **kwargs) -> tuple[list[list[int]], LLM]:
     llm = LLM(str(model_dir), device="cuda", dtype="float32", max_model_len=512, kv_cache_bytes=1 << 28, max_num_seqs=8,
               **kwargs)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))

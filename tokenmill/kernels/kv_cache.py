@@ -44,6 +44,17 @@ def write_kv_cache_ref(
 
 
 @triton.jit
+def cache_value(x, scale, out_ty: tl.constexpr, QUANT: tl.constexpr, EMULATE_ROUNDING: tl.constexpr):
+    """x as the cache stores it: for FP8, x / scale saturated at +-448."""
+    if QUANT:
+        # IEEE division (a plain / may be approximate on the GPU), rounding as the reference does.
+        x = tl.minimum(tl.maximum(tl.div_rn(x.to(tl.float32), scale), -448.0), 448.0)
+        if EMULATE_ROUNDING:
+            x = round_to_e4m3_grid(x)
+    return x.to(out_ty)
+
+
+@triton.jit
 def _write_kv_kernel(
     key_ptr, value_ptr, cache_ptr, slot_ptr,
     k_scale, v_scale,
@@ -64,15 +75,8 @@ def _write_kv_kernel(
     k = tl.load(key_ptr + tok * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(value_ptr + tok * stride_vt + heads * stride_vh + dims, mask=mask)
     out_ty = cache_ptr.dtype.element_ty
-    if QUANT:
-        # IEEE division (a plain / may be approximate on the GPU), rounding as the reference does.
-        k = tl.minimum(tl.maximum(tl.div_rn(k.to(tl.float32), k_scale), -448.0), 448.0)
-        v = tl.minimum(tl.maximum(tl.div_rn(v.to(tl.float32), v_scale), -448.0), 448.0)
-        if EMULATE_ROUNDING:
-            k = round_to_e4m3_grid(k)
-            v = round_to_e4m3_grid(v)
-    tl.store(cache_ptr + dst, k.to(out_ty), mask=mask)
-    tl.store(cache_ptr + stride_plane + dst, v.to(out_ty), mask=mask)
+    tl.store(cache_ptr + dst, cache_value(k, k_scale, out_ty, QUANT, EMULATE_ROUNDING), mask=mask)
+    tl.store(cache_ptr + stride_plane + dst, cache_value(v, v_scale, out_ty, QUANT, EMULATE_ROUNDING), mask=mask)
 
 
 def write_kv_cache(

@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels._common import FP8_DTYPE, interpreting, next_pow2, round_to_e4m3_grid
+from tokenmill.kernels._common import FP8_DTYPE, interpreting, next_pow2
+from tokenmill.kernels.kv_cache import cache_value
 
 
 def apply_rotary_ref(
@@ -30,21 +31,26 @@ def apply_rotary_ref(
 
 
 @triton.jit
+def _rotated(x1, x2, c, s):
+    """The two rotated halves in x's dtype, every product rounded to it before the sum, as the
+    unfused PyTorch ops in the model dtype do."""
+    dtype = x1.dtype
+    a1 = x1.to(tl.float32)
+    a2 = x2.to(tl.float32)
+    o1 = (a1 * c).to(dtype).to(tl.float32) - (a2 * s).to(dtype).to(tl.float32)
+    o2 = (a2 * c).to(dtype).to(tl.float32) + (a1 * s).to(dtype).to(tl.float32)
+    return o1.to(dtype), o2.to(dtype)
+
+
+@triton.jit
 def _rotate_heads(x_ptr, stride_h, c, s, num_heads, HALF: tl.constexpr, HEADS_P: tl.constexpr, HALF_P: tl.constexpr):
     heads = tl.arange(0, HEADS_P)[:, None]
     cols = tl.arange(0, HALF_P)[None, :]
     mask = (heads < num_heads) & (cols < HALF)
     p1 = x_ptr + heads * stride_h + cols
-    x1 = tl.load(p1, mask=mask, other=0.0)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
-    dtype = x1.dtype
-    a1 = x1.to(tl.float32)
-    a2 = x2.to(tl.float32)
-    # Round every product before the sum, as the unfused PyTorch ops in the model dtype do.
-    o1 = (a1 * c).to(dtype).to(tl.float32) - (a2 * s).to(dtype).to(tl.float32)
-    o2 = (a2 * c).to(dtype).to(tl.float32) + (a1 * s).to(dtype).to(tl.float32)
-    tl.store(p1, o1.to(dtype), mask=mask)
-    tl.store(p1 + HALF, o2.to(dtype), mask=mask)
+    o1, o2 = _rotated(tl.load(p1, mask=mask, other=0.0), tl.load(p1 + HALF, mask=mask, other=0.0), c, s)
+    tl.store(p1, o1, mask=mask)
+    tl.store(p1 + HALF, o2, mask=mask)
 
 
 @triton.jit
@@ -92,16 +98,6 @@ def apply_rotary_(
 
 
 @triton.jit
-def _to_cache(x, scale, out_ty: tl.constexpr, QUANT: tl.constexpr, EMULATE_ROUNDING: tl.constexpr):
-    """As tokenmill.kernels.kv_cache stores a value: x / scale saturated at +-448 for FP8."""
-    if QUANT:
-        x = tl.minimum(tl.maximum(tl.div_rn(x.to(tl.float32), scale), -448.0), 448.0)
-        if EMULATE_ROUNDING:
-            x = round_to_e4m3_grid(x)
-    return x.to(out_ty)
-
-
-@triton.jit
 def _rotary_cache_kernel(
     pos_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, k_scale, v_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
@@ -124,19 +120,15 @@ def _rotary_cache_kernel(
         mask = (heads < num_kv_heads) & cmask
         k1_ptr = k_ptr + tok * stride_kt + heads * stride_kh + cols
         v1_ptr = v_ptr + tok * stride_vt + heads * stride_vh + cols
-        a1 = tl.load(k1_ptr, mask=mask, other=0.0).to(tl.float32)
-        a2 = tl.load(k1_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
-        # Rounded to the model dtype exactly as _rotate_heads (and the unfused PyTorch ops) do.
-        k1 = ((a1 * c).to(dtype).to(tl.float32) - (a2 * s).to(dtype).to(tl.float32)).to(dtype)
-        k2 = ((a2 * c).to(dtype).to(tl.float32) + (a1 * s).to(dtype).to(tl.float32)).to(dtype)
+        k1, k2 = _rotated(tl.load(k1_ptr, mask=mask, other=0.0), tl.load(k1_ptr + HALF, mask=mask, other=0.0), c, s)
         v1 = tl.load(v1_ptr, mask=mask, other=0.0)
         v2 = tl.load(v1_ptr + HALF, mask=mask, other=0.0)
         out_ty = cache_ptr.dtype.element_ty
         dst = cache_ptr + (slot // PAGE) * stride_block + (slot % PAGE) * stride_tok + heads * stride_head + cols
-        tl.store(dst, _to_cache(k1, k_scale, out_ty, QUANT, EMULATE_ROUNDING), mask=mask)
-        tl.store(dst + HALF, _to_cache(k2, k_scale, out_ty, QUANT, EMULATE_ROUNDING), mask=mask)
-        tl.store(dst + stride_plane, _to_cache(v1, v_scale, out_ty, QUANT, EMULATE_ROUNDING), mask=mask)
-        tl.store(dst + stride_plane + HALF, _to_cache(v2, v_scale, out_ty, QUANT, EMULATE_ROUNDING), mask=mask)
+        tl.store(dst, cache_value(k1, k_scale, out_ty, QUANT, EMULATE_ROUNDING), mask=mask)
+        tl.store(dst + HALF, cache_value(k2, k_scale, out_ty, QUANT, EMULATE_ROUNDING), mask=mask)
+        tl.store(dst + stride_plane, cache_value(v1, v_scale, out_ty, QUANT, EMULATE_ROUNDING), mask=mask)
+        tl.store(dst + stride_plane + HALF, cache_value(v2, v_scale, out_ty, QUANT, EMULATE_ROUNDING), mask=mask)
 
 
 def rotate_and_cache_(

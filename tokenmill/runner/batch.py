@@ -26,6 +26,17 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return host.to(device, non_blocking=True)
 
 
+def slot_of(block_table: Sequence[int], position: int, block_size: int) -> int:
+    """The flat KV slot of a request's token at `position`."""
+    return block_table[position // block_size] * block_size + position % block_size
+
+
+def flat_block_tables(tables: Sequence[Sequence[int]]) -> tuple[list[int], int]:
+    """(the tables row after row, zero-padded to the longest, that width)."""
+    width = max(len(t) for t in tables)
+    return [b for t in tables for b in (*t, *[0] * (width - len(t)))], width
+
+
 def pack(chunks: Sequence[Chunk], block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """(input ids, positions, metadata); request i's rows end at metadata.query_start_loc[i + 1].
 
@@ -40,11 +51,10 @@ def pack(chunks: Sequence[Chunk], block_size: int, device: torch.device) -> tupl
         table = chunk.block_table
         input_ids.extend(chunk.token_ids)
         positions.extend(range(chunk.start, end))
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(chunk.start, end))
+        slots.extend(slot_of(table, p, block_size) for p in range(chunk.start, end))
         query_start.append(query_start[-1] + len(chunk.token_ids))
         seq_lens.append(end)
-    width = max(len(c.block_table) for c in chunks)
-    tables = [t for c in chunks for t in (*c.block_table, *[0] * (width - len(c.block_table)))]
+    tables, width = flat_block_tables([c.block_table for c in chunks])
     tokens, batch = len(input_ids), len(chunks)
     wide = to_device(input_ids + positions + slots, torch.int64, device)
     narrow = to_device(query_start + seq_lens + tables, torch.int32, device)

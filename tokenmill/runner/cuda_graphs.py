@@ -74,8 +74,9 @@ class StepGraphs:
     def max_batch(self) -> int:
         return self.buckets[-1]
 
-    def accepts(self, metadata: AttentionMetadata) -> bool:
-        return metadata.num_requests <= self.max_batch and all(n == self.query_len for n in metadata.query_lens_host)
+    def fits(self, num_requests: int, query_len: int) -> bool:
+        """Whether a uniform step of num_requests requests adding query_len tokens each replays here."""
+        return query_len == self.query_len and num_requests <= self.max_batch
 
     def _metadata(self, batch: int, context: int) -> AttentionMetadata:
         # Host lengths are the bucket's largest, so any launch shape derived from them (e.g. the

@@ -172,7 +172,6 @@ class ModelRunner:
         previous_rows: list[int] = []
         previous_index = {id(r): i for i, r in enumerate(previous.requests)} if previous else {}
         logits_indices: list[int] = []
-        query_lens: set[int] = set()
         row = 0
         for request, n, table in zip(batch.requests, batch.num_new_tokens, block_tables):
             start = request.num_computed_tokens
@@ -186,7 +185,6 @@ class ModelRunner:
                 previous_rows.append(previous_index[id(request)])
                 tokens.append(0)
             chunks.append(Chunk(tokens, start, table))
-            query_lens.add(n)
             row += n
             if start + n == request.num_tokens_with_drafts:
                 logits_indices.extend(range(row - len(request.draft_token_ids) - 1, row))
@@ -204,7 +202,7 @@ class ModelRunner:
             positions=positions,
             metadata=metadata,
             logits_indices=to_device(logits_indices, torch.int64, self.device),
-            uniform_query_len=query_lens.pop() if len(query_lens) == 1 and len(logits_indices) == row else None,
+            uniform_query_len=_uniform_query_len(metadata.query_lens_host, len(logits_indices)),
         )
 
     @torch.inference_mode()
@@ -272,13 +270,21 @@ class ModelRunner:
             return None
         if inputs.uniform_query_len is not None:
             for graphs in self.graphs:
-                if graphs.accepts(inputs.metadata):
+                if graphs.fits(inputs.metadata.num_requests, inputs.uniform_query_len):
                     return graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
+
+
+def _uniform_query_len(query_lens: list[int], num_sampled_rows: int) -> int | None:
+    """The tokens each request adds when all add as many and every row is sampled, else None."""
+    first = query_lens[0]
+    if num_sampled_rows == first * len(query_lens) and all(n == first for n in query_lens):
+        return first
+    return None
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:

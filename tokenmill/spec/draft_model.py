@@ -21,11 +21,11 @@ from tokenmill.engine.request import Request
 from tokenmill.errors import ConfigError
 from tokenmill.layers.attention import ATTENTION_BACKENDS, AttentionMetadata
 from tokenmill.layers.linear import Linear
-from tokenmill.layers.sampler import SamplingMetadata, SamplingRow, processed_probs
+from tokenmill.layers.sampler import SamplingMetadata, SamplingRow, processed_probs, row_argmax
 from tokenmill.models.llama import head_dim_of
 from tokenmill.models.loader import iter_weights, load_hf_config, resolve_model
 from tokenmill.models.registry import model_class
-from tokenmill.runner.batch import Chunk, pack, to_device
+from tokenmill.runner.batch import Chunk, flat_block_tables, pack, slot_of, to_device
 from tokenmill.runner.model_runner import init_dummy_weights
 from tokenmill.spec.draft_vocab import load_draft_vocab
 
@@ -147,7 +147,7 @@ class DraftModelProposer:
                 banned = step_banned
             q = processed_probs(self._full_vocab_logits(logits), metadata)
             if self.greedy:  # q is one-hot at the draft
-                tokens[step] = q.argmax(dim=-1)
+                tokens[step] = row_argmax(q)
             else:
                 tokens[step] = _sample(q)
                 probs.append(q)
@@ -167,7 +167,7 @@ class DraftModelProposer:
         cache lacks."""
         model, graphs = self.draft.model, self.catch_up_graphs
         behind = [len(r.all_token_ids) - r.draft_num_computed for r in requests]
-        if graphs is not None and len(requests) <= graphs.max_batch and all(1 <= n <= 2 for n in behind):
+        if graphs is not None and graphs.fits(len(requests), 2) and all(1 <= n <= 2 for n in behind):
             chunks = [Chunk(r.all_token_ids[-2:], len(r.all_token_ids) - 2, t) for r, t in zip(requests, tables)]
             ids, positions, metadata = pack(chunks, self.draft.block_size, self.draft.device)
             return graphs.run(ids, positions, metadata)[1::2]
@@ -178,7 +178,7 @@ class DraftModelProposer:
 
     def _decode(self, ids: torch.Tensor, step: tuple[torch.Tensor, AttentionMetadata]) -> torch.Tensor:
         positions, metadata = step
-        if self.decode_graphs is not None and self.decode_graphs.accepts(metadata):
+        if self.decode_graphs is not None and self.decode_graphs.fits(metadata.num_requests, 1):
             return self.decode_graphs.run(ids, positions, metadata)
         return self.draft.model.compute_logits(self.draft.model(ids, positions, metadata))
 
@@ -225,12 +225,12 @@ class _DecodeSteps:
             for r, table, limit in zip(requests, tables, limits):
                 pos = len(r.all_token_ids) + min(step, limit) - 1
                 step_positions.append(pos)
-                step_slots.append(table[pos // block_size] * block_size + pos % block_size if step < limit else scratch_slot)
+                step_slots.append(slot_of(table, pos, block_size) if step < limit else scratch_slot)
             positions.append(step_positions)
             slots.append(step_slots)
         self.seq_lens_host = [[p + 1 for p in row] for row in positions]
-        width = max(len(t) for t in tables)
-        self.block_tables = to_device([list(t) + [0] * (width - len(t)) for t in tables], torch.int32, device)
+        flat, width = flat_block_tables(tables)
+        self.block_tables = to_device(flat, torch.int32, device).view(len(tables), width)
         self.query_start_loc = torch.arange(len(requests) + 1, dtype=torch.int32, device=device)
         self.positions = to_device(positions, torch.int64, device)
         self.slots = to_device(slots, torch.int64, device)
