@@ -8,7 +8,7 @@ so a real draft's acceptance cannot be measured here; the figures are the machin
     and with the draft model under BENCHMARK-ONLY accept-all verification (not lossless: it
     shows the speed-up at full acceptance, acceptance length gamma + 1).
 
-    python benchmarks/spec_bench.py [--gamma 4]
+    python benchmarks/spec_bench.py [--gamma 4] [--parts cost,ngram,accept,vocab]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy
@@ -61,7 +62,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--parts", default="cost,ngram,accept,vocab",
+                        help="verify-step cost, n-gram decode, accept-all decode, accept-all with a 32k draft vocabulary")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
     figures: dict[str, float] = {}
 
     def report(name: str, value: float, unit: str) -> None:
@@ -83,46 +87,51 @@ def main() -> None:
         del plain
         torch.cuda.empty_cache()
 
-        ngram = LLM(str(target_dir), **common, speculative_config={"method": "ngram", "num_speculative_tokens": args.gamma})
-        decode, verify = ngram.engine.runner.graphs
-        for batch in (1, 16, 64):
-            one, many = graph_step_ms(decode, batch, 512), graph_step_ms(verify, batch, 512)
-            report(f"verify step cost, bs={batch}, ctx 512: (1+{args.gamma}) / 1 token (graphs)", many / one, "x")
-            report(f"  1-token step / verify step, bs={batch}", one, f"/ {many:.3f} ms")
-        rate = decode_rate(ngram, len(repetitive), args.tokens, prompt=repetitive)
-        report("bs=1 decode, n-gram, repetitive prompt (random weights)", rate, "tok/s")
-        report("  ratio to no speculation on the same prompt", rate / base_rep, "x")
-        report("  n-gram mean acceptance length", ngram.engine.spec_stats.mean_acceptance_length, "")
-        del ngram, decode, verify
-        torch.cuda.empty_cache()
+        if parts & {"cost", "ngram"}:
+            ngram = LLM(str(target_dir), **common, speculative_config={"method": "ngram", "num_speculative_tokens": args.gamma})
+            decode, verify = ngram.engine.runner.graphs
+            for batch in (1, 16, 64) if "cost" in parts else ():
+                one, many = graph_step_ms(decode, batch, 512), graph_step_ms(verify, batch, 512)
+                report(f"verify step cost, bs={batch}, ctx 512: (1+{args.gamma}) / 1 token (graphs)", many / one, "x")
+                report(f"  1-token step / verify step, bs={batch}", one, f"/ {many:.3f} ms")
+            if "ngram" in parts:
+                rate = decode_rate(ngram, len(repetitive), args.tokens, prompt=repetitive)
+                report("bs=1 decode, n-gram, repetitive prompt (random weights)", rate, "tok/s")
+                report("  ratio to no speculation on the same prompt", rate / base_rep, "x")
+                report("  n-gram mean acceptance length", ngram.engine.spec_stats.mean_acceptance_length, "")
+            del ngram, decode, verify
+            torch.cuda.empty_cache()
 
         os.environ[BENCHMARK_ACCEPT_ALL_ENV] = "1"
-        draft = LLM(str(target_dir), **common, speculative_config={
-            "method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": args.gamma,
-            "draft_sampling": "greedy", "verification": BENCHMARK_ACCEPT_ALL})
-        rate = decode_rate(draft, 128, args.tokens)
-        report("BENCHMARK-ONLY accept-all: bs=1 decode, 1B-shape draft", rate, "tok/s")
-        report("  ratio to no speculation", rate / base, "x")
-        report("  accept-all mean acceptance length", draft.engine.spec_stats.mean_acceptance_length, "")
-        proposer = draft.engine.proposer
-        report("  draft decode step, bs=1 (graph)", graph_step_ms(proposer.decode_graphs, 1, 512), "ms")
-        report("  draft catch-up step, bs=1 (graph)", graph_step_ms(proposer.catch_up_graphs, 1, 512), "ms")
-        del draft, proposer
-        torch.cuda.empty_cache()
-
-        # The same, with the draft's head cut to a 32k-token draft vocabulary (the head is 21%
-        # of the 1B's bytes): what `tokenmill draft-vocab build` buys at full acceptance.
-        vocab_file = Path(tmp, "draft_vocab.npy")
-        numpy.save(vocab_file, numpy.arange(32768, dtype=numpy.int64))
-        draft = LLM(str(target_dir), **common, speculative_config={
-            "method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": args.gamma,
-            "draft_sampling": "greedy", "verification": BENCHMARK_ACCEPT_ALL, "draft_vocab": str(vocab_file)})
-        rate = decode_rate(draft, 128, args.tokens)
-        report("BENCHMARK-ONLY accept-all, 32k draft vocabulary", rate, "tok/s")
-        report("  ratio to no speculation (draft vocabulary)", rate / base, "x")
-        step_ms = graph_step_ms(draft.engine.proposer.decode_graphs, 1, 512)
-        report("  draft decode step, bs=1, 32k vocabulary (graph)", step_ms, "ms")
+        if "accept" in parts:
+            accept_all_decode(target_dir, draft_dir, common, args, base, report, None)
+        if "vocab" in parts:
+            # The draft's head cut to a 32k-token draft vocabulary (the head is 21% of the 1B's
+            # bytes): what `tokenmill draft-vocab build` buys at full acceptance.
+            vocab_file = Path(tmp, "draft_vocab.npy")
+            numpy.save(vocab_file, numpy.arange(32768, dtype=numpy.int64))
+            accept_all_decode(target_dir, draft_dir, common, args, base, report, vocab_file)
     print(json.dumps(figures))
+
+
+def accept_all_decode(target_dir: Path, draft_dir: Path, common: dict, args: argparse.Namespace, base: float,
+                      report: Callable[[str, float, str], None], draft_vocab: Path | None) -> None:
+    """BENCHMARK-ONLY accept-all decoding at bs=1 with the 1B-shape draft (optionally with a draft vocabulary)."""
+    label = "" if draft_vocab is None else ", 32k draft vocabulary"
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": args.gamma,
+            "draft_sampling": "greedy", "verification": BENCHMARK_ACCEPT_ALL}
+    if draft_vocab is not None:
+        spec["draft_vocab"] = str(draft_vocab)
+    draft = LLM(str(target_dir), **common, speculative_config=spec)
+    rate = decode_rate(draft, 128, args.tokens)
+    report(f"BENCHMARK-ONLY accept-all: bs=1 decode, 1B-shape draft{label}", rate, "tok/s")
+    report(f"  ratio to no speculation{label}", rate / base, "x")
+    report(f"  accept-all mean acceptance length{label}", draft.engine.spec_stats.mean_acceptance_length, "")
+    proposer = draft.engine.proposer
+    report(f"  draft decode step, bs=1 (graph){label}", graph_step_ms(proposer.decode_graphs, 1, 512), "ms")
+    report(f"  draft catch-up step, bs=1 (graph){label}", graph_step_ms(proposer.catch_up_graphs, 1, 512), "ms")
+    del draft, proposer
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

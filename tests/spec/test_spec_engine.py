@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from no_host_sync import forbid_host_reads
 from safetensors.torch import save_file
 from scipy.stats import chi2_contingency
 
@@ -84,6 +85,32 @@ def test_draft_model_keeps_greedy_output(draft_dir: Path, reference: list[list[i
           f"{stats.spec_num_accepted_tokens}/{stats.spec_num_draft_tokens} drafts accepted")
     assert 2.5 < length < 5.0  # close to the target but not equal: both branches of verification run
     assert stats.kv_blocks_used == 0
+
+
+def test_greedy_drafts_and_their_verification_never_read_the_device(
+    draft_dir: Path, reference: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy drafting and greedy verification read no tensor value on the host: the drafts go
+    from the draft model to the verify step on the device, and the output is still exact."""
+    from tokenmill.spec import target_step
+    from tokenmill.spec.draft_model import DraftModelProposer
+
+    llm = spec_llm(method="draft_model", model=str(draft_dir), num_speculative_tokens=4, draft_sampling="greedy")
+    guarded_calls: list[str] = []
+
+    def guarded(name: str, function):
+        def run(*args, **kwargs):
+            with pytest.MonkeyPatch.context() as patch:
+                forbid_host_reads(patch, name)
+                result = function(*args, **kwargs)
+            guarded_calls.append(name)
+            return result
+        return run
+
+    monkeypatch.setattr(DraftModelProposer, "propose", guarded("drafting", DraftModelProposer.propose))
+    monkeypatch.setattr(target_step, "verify_drafts", guarded("verification", target_step.verify_drafts))
+    assert greedy(llm) == reference
+    assert {"drafting", "verification"} <= set(guarded_calls)
 
 
 def first_two_tokens(llm: LLM, n: int) -> Counter:

@@ -24,7 +24,7 @@ from no_host_sync import forbid_host_reads
 from tokenmill.layers.sampler import SamplingMetadata, SamplingRow, exponential_argmax, processed_probs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec import verify as verify_module
-from tokenmill.spec.verify import VerifyInput, VerifyOutput, verify_block, verify_tokenwise
+from tokenmill.spec.verify import VerifyInput, VerifyOutput, accept_all, verify_block, verify_greedy, verify_tokenwise
 
 CPU = torch.device("cpu")
 V = 8  # vocabulary
@@ -570,6 +570,27 @@ def test_greedy_rows_accept_while_the_draft_is_the_argmax(rule: str, dense_q: bo
         expected = x[row, :tau].tolist() + [int(p[row, tau].argmax())] + [-1] * (g - tau)
         assert out.num_accepted[row] == tau
         assert out.output_token_ids[row].tolist() == expected
+
+
+def test_argmax_verification_equals_the_greedy_rows_of_both_rules() -> None:
+    """verify_greedy on the targets' argmax ids is what either rule does for greedy rows."""
+    b, g, v = 300, 4, 12
+    p, _, x, num = _random_batch(b, g, v, seed=11)
+    fast = verify_greedy(p.argmax(-1), x, num)
+    greedy = torch.ones(b, dtype=torch.bool)
+    for rule in RULES.values():
+        full = rule(VerifyInput(p, x, None, num, greedy, {}))
+        assert torch.equal(fast.output_token_ids, full.output_token_ids)
+        assert torch.equal(fast.num_accepted, full.num_accepted)
+
+
+def test_accept_all_takes_every_draft_then_the_argmax_after_it() -> None:
+    p, _, x, num = _random_batch(50, 4, 12, seed=12)
+    out = accept_all(p.argmax(-1), x, num)
+    assert torch.equal(out.num_accepted, num)
+    for row in range(50):
+        n = int(num[row])
+        assert out.output_token_ids[row].tolist() == x[row, :n].tolist() + [int(p[row, n].argmax())] + [-1] * (4 - n)
 
 
 # ----------------------------------------------------------------- 5. no host sync

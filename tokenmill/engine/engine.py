@@ -216,9 +216,9 @@ class LLMEngine:
         for request, tokens, logprobs in zip(step.requests, step.token_lists(), _logprob_rows(step)):
             request.num_placeholders -= 1
             # Rejected drafts: their KV was written but is not part of the sequence.
-            request.num_computed_tokens -= len(request.draft_token_ids) - (len(tokens) - 1)
+            request.num_computed_tokens -= request.drafts.count - (len(tokens) - 1)
             request.draft_num_computed = min(request.draft_num_computed, request.num_computed_tokens)
-            self._record_spec(request, len(request.draft_token_ids), len(tokens) - 1)
+            self._record_spec(request, request.drafts.count, len(tokens) - 1)
             request.drop_drafts()
             if request.is_finished:  # aborted, or ended while this step was in flight
                 continue

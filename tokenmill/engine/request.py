@@ -22,6 +22,30 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True, eq=False)
+class Drafts:
+    """Tokens proposed after a request's last known one, verified by its next step.
+
+    A draft model leaves its drafts on the device, so nothing waits for the host between
+    drafting and verifying; n-gram lookup (and a draft model under penalties, which count each
+    draft) knows them on the host. When count > 0 at least one of the two is set.
+    """
+
+    count: int = 0
+    host_ids: list[int] | None = None
+    device_ids: torch.Tensor | None = None  # [count] int64 on the model's device
+    probs: torch.Tensor | None = None  # [count, V]: each draft's distribution as sampled; None = one-hot
+
+    def on_device(self, device: torch.device) -> torch.Tensor:
+        if self.device_ids is not None:
+            return self.device_ids
+        assert self.host_ids is not None
+        return torch.tensor(self.host_ids, dtype=torch.int64).to(device, non_blocking=True)
+
+
+NO_DRAFTS = Drafts()
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence. The scheduling rule: `num_computed_tokens` catches up with `num_tokens`.
@@ -46,10 +70,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)  # prompt + outputs known on the host
     num_placeholders: int = 0
-    # Speculative decoding: tokens proposed after the last known one, verified by the next step,
-    # and the distribution each was drawn from ([d, V]; None = one-hot, as greedy or n-gram).
-    draft_token_ids: list[int] = field(default_factory=list)
-    draft_probs: torch.Tensor | None = None
+    drafts: Drafts = NO_DRAFTS
     draft_num_computed: int = 0  # positions of a draft model's cache that hold this request's tokens
     spec_usage: SpecUsage | None = None
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -71,11 +92,10 @@ class Request:
 
     @property
     def num_tokens_with_drafts(self) -> int:
-        return self.num_tokens + len(self.draft_token_ids)
+        return self.num_tokens + self.drafts.count
 
     def drop_drafts(self) -> None:
-        self.draft_token_ids = []
-        self.draft_probs = None
+        self.drafts = NO_DRAFTS
 
     @property
     def num_output_tokens(self) -> int:

@@ -171,14 +171,23 @@ class ModelRunner:
         placeholder_rows: list[int] = []
         previous_rows: list[int] = []
         previous_index = {id(r): i for i, r in enumerate(previous.requests)} if previous else {}
+        # Drafts known only on the device: (first row in this batch, their ids).
+        device_drafts: list[tuple[int, torch.Tensor]] = []
         logits_indices: list[int] = []
         row = 0
         for request, n, table in zip(batch.requests, batch.num_new_tokens, block_tables):
             start = request.num_computed_tokens
             tokens = request.all_token_ids[start : start + n]
-            if len(tokens) < n and request.draft_token_ids:
+            drafts = request.drafts
+            if len(tokens) < n and drafts.count:
                 offset = max(0, start - len(request.all_token_ids))
-                tokens += request.draft_token_ids[offset : offset + n - len(tokens)]
+                wanted = min(drafts.count - offset, n - len(tokens))
+                if drafts.host_ids is not None:
+                    tokens += drafts.host_ids[offset : offset + wanted]
+                else:
+                    assert drafts.device_ids is not None
+                    device_drafts.append((row + len(tokens), drafts.device_ids[offset : offset + wanted]))
+                    tokens += [0] * wanted
             if len(tokens) < n:  # the last token is a placeholder: read it on the device
                 assert len(tokens) == n - 1, "at most one token per request is in flight"
                 placeholder_rows.append(row + n - 1)
@@ -187,8 +196,11 @@ class ModelRunner:
             chunks.append(Chunk(tokens, start, table))
             row += n
             if start + n == request.num_tokens_with_drafts:
-                logits_indices.extend(range(row - len(request.draft_token_ids) - 1, row))
+                logits_indices.extend(range(row - drafts.count - 1, row))
         ids, positions, metadata = pack(chunks, self.block_size, self.device)
+        if device_drafts:
+            rows = [first + i for first, draft_ids in device_drafts for i in range(draft_ids.numel())]
+            ids[to_device(rows, torch.int64, self.device)] = torch.cat([draft_ids for _, draft_ids in device_drafts])
         if placeholder_rows:
             assert previous is not None
             sampled = previous.sampled.sampled_token_ids

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.request import Request
+from tokenmill.engine.request import Drafts, Request
 from tokenmill.errors import ConfigError
 from tokenmill.layers.attention import ATTENTION_BACKENDS, AttentionMetadata
 from tokenmill.layers.linear import Linear
@@ -97,8 +97,10 @@ class DraftModelProposer:
     A proposal is one catch-up forward (the tokens verified since the last proposal: one or
     two in steady state, always two under CUDA graphs, where the draft recomputes the KV of
     the token before the new one) and then one single-token forward per further draft, each
-    fed the token the previous one sampled without leaving the device. The host reads the
-    drafts once, at the end, unless a request's penalties need each draft on the host.
+    fed the token the previous one sampled without leaving the device. The drafts stay on the
+    device for the verify step; the host reads them only when a request's penalties need each
+    draft there. When nothing applies before the argmax (greedy drafting, no bans or
+    penalties), a draft is its logits' argmax and no distribution is built.
     """
 
     def __init__(self, config: EngineConfig, draft: DraftModel, target: ModelRunner, kv: KVCacheManager) -> None:
@@ -128,39 +130,52 @@ class DraftModelProposer:
         if not kept:
             return
         requests, limits = [r for r, _ in kept], [limit for _, limit in kept]
-        for r in requests:
-            r.draft_token_ids, r.draft_probs = [], None
         tables = [self.kv.block_tables[r.request_id] for r in requests]
         gamma = max(limits)
         device = self.draft.device
         tokens = torch.empty(gamma, len(requests), dtype=torch.int64, device=device)
-        probs: list[torch.Tensor] = []
+        probs: list[torch.Tensor | None] = []  # per step; None where every row drafted its argmax
         host_drafts = any(r.params.uses_penalties for r in requests)  # penalties count every draft
+        drafted: list[list[int]] = [[] for _ in requests]  # host copies, kept only under penalties
         steps = _DecodeSteps(requests, tables, limits, self.draft.block_size, self.scratch_slot, device)
         metadata, banned = None, None
         for step in range(gamma):
             logits = self._catch_up(requests, tables) if step == 0 else self._decode(tokens[step - 1], steps.metadata(step))
             step_banned = [r.banned_token_ids(extra_outputs=step) for r in requests]
             if metadata is None or host_drafts or step_banned != banned:
-                metadata = SamplingMetadata.build([self._row(r, step, bans) for r, bans in zip(requests, step_banned)],
-                                                  self.vocab_size, device)
+                rows = [self._row(r, ids, bans) for r, ids, bans in zip(requests, drafted, step_banned)]
+                metadata = SamplingMetadata.build(rows, self.vocab_size, device)
                 banned = step_banned
-            q = processed_probs(self._full_vocab_logits(logits), metadata)
-            if self.greedy:  # q is one-hot at the draft
-                tokens[step] = row_argmax(q)
+            if metadata.plain_greedy:
+                tokens[step] = self._argmax(logits)
+                probs.append(None)
             else:
-                tokens[step] = _sample(q)
-                probs.append(q)
+                q = processed_probs(self._full_vocab_logits(logits), metadata)
+                tokens[step] = row_argmax(q) if self.greedy else _sample(q)  # greedy: q is one-hot at the draft
+                probs.append(None if self.greedy else q)
             if host_drafts:
-                for r, token in zip(requests, tokens[step].tolist()):
-                    r.draft_token_ids.append(token)
-        drafts = tokens.T.tolist()
-        stacked = torch.stack(probs, dim=1) if probs else None
+                for ids, token in zip(drafted, tokens[step].tolist()):
+                    ids.append(token)
+        columns = tokens.T
+        stacked = self._stack_probs(probs, tokens)
         for b, (r, limit) in enumerate(zip(requests, limits)):
-            r.draft_token_ids = drafts[b][:limit]
+            r.drafts = Drafts(limit, host_ids=drafted[b][:limit] if host_drafts else None, device_ids=columns[b, :limit],
+                              probs=None if stacked is None else stacked[b, :limit])
             # The last draft's own KV is never computed here: the target's verify step follows.
             r.draft_num_computed = len(r.all_token_ids) + limit - 1
-            r.draft_probs = None if stacked is None else stacked[b, :limit]
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's draft when nothing applies before the argmax, in the target's ids."""
+        best = row_argmax(logits)
+        return best if self.draft.vocab_ids is None else self.draft.vocab_ids[best]
+
+    def _stack_probs(self, probs: list[torch.Tensor | None], tokens: torch.Tensor) -> torch.Tensor | None:
+        """[B, gamma, V] q of every draft as sampled, or None when every draft was an argmax (one-hot q)."""
+        if all(q is None for q in probs):
+            return None
+        one_hot = [torch.zeros(tokens.shape[1], self.vocab_size, device=tokens.device).scatter_(1, ids[:, None], 1.0)
+                   for ids in tokens]
+        return torch.stack([hot if q is None else q for q, hot in zip(probs, one_hot)], dim=1)
 
     def _catch_up(self, requests: Sequence[Request], tables: Sequence[Sequence[int]]) -> torch.Tensor:
         """Draft logits after each request's last known token, computing the tokens the draft's
@@ -189,12 +204,12 @@ class DraftModelProposer:
         """Room in the shared block table for the drafts' positions (False: draft nothing)."""
         return limit > 0 and self.kv.allocate_slots(request, request.num_tokens - request.num_computed_tokens + limit)
 
-    def _row(self, request: Request, step: int, banned: list[int]) -> SamplingRow:
-        params = request.params
+    def _row(self, request: Request, drafted: list[int], banned: list[int]) -> SamplingRow:
+        """Sampling inputs of a draft position (`drafted`: the drafts before it, under penalties)."""
+        params = replace(request.params, logprobs=None)
         if self.greedy and not params.greedy:
             params = replace(params, temperature=0.0)
-        return SamplingRow(params, request.prompt_token_ids, request.output_token_ids + request.draft_token_ids[:step], None,
-                           banned)
+        return SamplingRow(params, request.prompt_token_ids, request.output_token_ids + drafted, None, banned)
 
     def _full_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary (-inf outside the draft vocabulary)."""

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.config import EngineConfig, SpeculativeConfig
-from tokenmill.engine.request import Request
+from tokenmill.engine.request import NO_DRAFTS, Drafts, Request
 from tokenmill.spec.draft_model import DraftModel, DraftModelProposer
 from tokenmill.spec.ngram import NgramProposer
 
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 class Proposer(Protocol):
     def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> None:
-        """Set each request's draft_token_ids (at most its limit) and, if sampled, draft_probs."""
+        """Set each request's drafts (at most its limit of them)."""
 
     def forget(self, request_id: str) -> None:
         """Drop any state kept for a request that finished or was aborted."""
@@ -31,8 +31,8 @@ class PromptLookupProposer:
 
     def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> None:
         for request, limit in zip(requests, limits):
-            request.draft_token_ids = list(self.ngram.propose_request(request.request_id, request.all_token_ids, limit))
-            request.draft_probs = None
+            ids = list(self.ngram.propose_request(request.request_id, request.all_token_ids, limit))
+            request.drafts = Drafts(len(ids), host_ids=ids) if ids else NO_DRAFTS
 
     def forget(self, request_id: str) -> None:
         self.ngram.remove_request(request_id)

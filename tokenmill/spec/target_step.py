@@ -16,25 +16,13 @@ import torch
 
 from tokenmill.config import BENCHMARK_ACCEPT_ALL
 from tokenmill.engine.request import Request
-from tokenmill.layers.sampler import SamplingMetadata, SamplingRow, gather_logprobs, processed_probs
-from tokenmill.spec.verify import VerifyInput, VerifyOutput, verify_block, verify_tokenwise
-
-
-def accept_all(inp: VerifyInput) -> VerifyOutput:
-    """Benchmark-only (config refuses it without an explicit opt-in): every draft is accepted and
-    the bonus token is the argmax after the last one. Not lossless."""
-    batch, width = inp.target_probs.shape[:2]
-    out = torch.full((batch, width), -1, dtype=torch.int64, device=inp.target_probs.device)
-    out[:, : width - 1] = inp.draft_token_ids
-    bonus = inp.target_probs.argmax(-1).gather(1, inp.num_drafts[:, None])
-    out.scatter_(1, inp.num_drafts[:, None], bonus)
-    return VerifyOutput(output_token_ids=out, num_accepted=inp.num_drafts.clone())
-
+from tokenmill.layers.sampler import SamplingMetadata, SamplingRow, gather_logprobs, processed_probs, row_argmax
+from tokenmill.runner.batch import to_device
+from tokenmill.spec.verify import VerifyInput, VerifyOutput, accept_all, verify_block, verify_greedy, verify_tokenwise
 
 VERIFIERS: dict[str, Callable[[VerifyInput], VerifyOutput]] = {
     "token": verify_tokenwise,
     "block": verify_block,
-    BENCHMARK_ACCEPT_ALL: accept_all,
 }
 
 
@@ -47,7 +35,7 @@ class SpeculativeOutput:
 
 
 def rows_per_request(requests: Sequence[Request]) -> list[int]:
-    return [len(r.draft_token_ids) + 1 for r in requests]
+    return [r.drafts.count + 1 for r in requests]
 
 
 def verify_drafts(
@@ -55,37 +43,44 @@ def verify_drafts(
 ) -> SpeculativeOutput:
     """logits: [sum of rows_per_request, V], request by request, position by position."""
     device = logits.device
-    counts = [len(r.draft_token_ids) for r in requests]
+    counts = [r.drafts.count for r in requests]
     batch, width = len(requests), max(counts) + 1
     rows = [
         SamplingRow(
             params=r.params,
             prompt_token_ids=r.prompt_token_ids,
-            output_token_ids=r.output_token_ids + r.draft_token_ids[:i],
+            output_token_ids=_outputs_after_drafts(r, i),
             generator=None,
             banned_token_ids=r.banned_token_ids(extra_outputs=i),
         )
         for r, d in zip(requests, counts)
         for i in range(d + 1)
     ]
-    probs = processed_probs(logits, SamplingMetadata.build(rows, vocab_size, device))
+    metadata = SamplingMetadata.build(rows, vocab_size, device)
     flat = [b * width + i for b, d in enumerate(counts) for i in range(d + 1)]
     flat_index = torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)
-    target = torch.zeros(batch * width, probs.shape[-1], dtype=torch.float32, device=device)
-    target[flat_index] = probs
-    drafts = torch.zeros(batch, max(width - 1, 1), dtype=torch.int64)
-    for b, r in enumerate(requests):
-        drafts[b, : len(r.draft_token_ids)] = torch.tensor(r.draft_token_ids, dtype=torch.int64)
-    result = VERIFIERS[rule](
-        VerifyInput(
-            target_probs=target.view(batch, width, -1),
-            draft_token_ids=drafts[:, : width - 1].to(device, non_blocking=True),
-            draft_probs=_draft_probs(requests, width - 1, probs.shape[-1], device),
-            num_drafts=torch.tensor(counts, dtype=torch.int64).to(device, non_blocking=True),
-            greedy=torch.tensor([r.params.greedy for r in requests]).to(device, non_blocking=True),
-            generators={b: r.generator for b, r in enumerate(requests) if r.generator is not None},
+    drafts = _draft_id_matrix(requests, width - 1, device)
+    num_drafts = torch.tensor(counts, dtype=torch.int64).to(device, non_blocking=True)
+    if rule == BENCHMARK_ACCEPT_ALL or metadata.plain_greedy:
+        # The target's choice at each position is its logits' argmax: no distributions needed.
+        target_ids = torch.zeros(batch * width, dtype=torch.int64, device=device)
+        target_ids[flat_index] = row_argmax(logits)
+        choose = accept_all if rule == BENCHMARK_ACCEPT_ALL else verify_greedy
+        result = choose(target_ids.view(batch, width), drafts, num_drafts)
+    else:
+        probs = processed_probs(logits, metadata)
+        target = torch.zeros(batch * width, probs.shape[-1], dtype=torch.float32, device=device)
+        target[flat_index] = probs
+        result = VERIFIERS[rule](
+            VerifyInput(
+                target_probs=target.view(batch, width, -1),
+                draft_token_ids=drafts,
+                draft_probs=_draft_probs(requests, drafts, probs.shape[-1]),
+                num_drafts=num_drafts,
+                greedy=torch.tensor([r.params.greedy for r in requests]).to(device, non_blocking=True),
+                generators={b: r.generator for b, r in enumerate(requests) if r.generator is not None},
+            )
         )
-    )
     k = max((r.params.logprobs for r in requests if r.params.logprobs is not None), default=None)
     if k is None:
         return SpeculativeOutput(result.output_token_ids, result.num_accepted, None, None)
@@ -100,15 +95,49 @@ def verify_drafts(
     )
 
 
-def _draft_probs(requests: Sequence[Request], width: int, vocab: int, device: torch.device) -> torch.Tensor | None:
-    """q for every draft: as recorded by the proposer, or one-hot where it drafted deterministically."""
-    if width == 0 or all(r.draft_probs is None for r in requests):
-        return None
-    q = torch.zeros(len(requests), width, vocab, dtype=torch.float32, device=device)
+def _outputs_after_drafts(request: Request, i: int) -> list[int]:
+    """The outputs as position i of the drafts sees them (penalties count the first i drafts,
+    which is why a proposer keeps drafts on the host for requests with penalties)."""
+    if i == 0 or not request.params.uses_penalties:
+        return request.output_token_ids
+    assert request.drafts.host_ids is not None, "penalties need the drafts on the host"
+    return request.output_token_ids + request.drafts.host_ids[:i]
+
+
+def _draft_id_matrix(requests: Sequence[Request], width: int, device: torch.device) -> torch.Tensor:
+    """[B, width] int64 drafts, row by row, zero padding after each row's count (two writes at most:
+    the drafts known on the host, and those left on the device)."""
+    matrix = torch.zeros(len(requests) * width, dtype=torch.int64, device=device)
+    host_index: list[int] = []
+    host_ids: list[int] = []
+    device_index: list[int] = []
+    device_ids: list[torch.Tensor] = []
     for b, r in enumerate(requests):
-        d = len(r.draft_token_ids)
-        if r.draft_probs is not None:
-            q[b, :d] = r.draft_probs.to(device)
+        drafts = r.drafts
+        if drafts.host_ids is not None:
+            host_index.extend(range(b * width, b * width + drafts.count))
+            host_ids.extend(drafts.host_ids)
+        elif drafts.count:
+            assert drafts.device_ids is not None
+            device_index.extend(range(b * width, b * width + drafts.count))
+            device_ids.append(drafts.device_ids)
+    if host_index:
+        matrix[to_device(host_index, torch.int64, device)] = to_device(host_ids, torch.int64, device)
+    if device_index:
+        matrix[to_device(device_index, torch.int64, device)] = torch.cat(device_ids)
+    return matrix.view(len(requests), width)
+
+
+def _draft_probs(requests: Sequence[Request], drafts: torch.Tensor, vocab: int) -> torch.Tensor | None:
+    """q for every draft: as recorded by the proposer, or one-hot where it drafted deterministically."""
+    width = drafts.shape[1]
+    if width == 0 or all(r.drafts.probs is None for r in requests):
+        return None
+    q = torch.zeros(len(requests), width, vocab, dtype=torch.float32, device=drafts.device)
+    for b, r in enumerate(requests):
+        d = r.drafts.count
+        if r.drafts.probs is not None:
+            q[b, :d] = r.drafts.probs.to(drafts.device)
         elif d:
-            q[b, torch.arange(d, device=device), torch.tensor(r.draft_token_ids, device=device)] = 1.0
+            q[b, :d].scatter_(1, drafts[b, :d, None], 1.0)
     return q

@@ -108,6 +108,22 @@ def verify_block(inp: VerifyInput) -> VerifyOutput:
     return _finish(inp, prep, tau, w_tau)
 
 
+def verify_greedy(target_ids: torch.Tensor, draft_token_ids: torch.Tensor, num_drafts: torch.Tensor) -> VerifyOutput:
+    """Every row greedy, nothing applied before the argmax: accept drafts while they equal the
+    target's argmax, then emit the target's argmax at the first mismatch (or the bonus position).
+    target_ids [B, G+1]: the argmax of each target row; the rest as in VerifyInput."""
+    b, g = draft_token_ids.shape
+    valid = torch.arange(g, device=target_ids.device).unsqueeze(0) < num_drafts.unsqueeze(1)
+    tau = _leading_true((draft_token_ids == target_ids[:, :g]) & valid)
+    return _emit(draft_token_ids, tau, target_ids.gather(1, tau.unsqueeze(1)).squeeze(1))
+
+
+def accept_all(target_ids: torch.Tensor, draft_token_ids: torch.Tensor, num_drafts: torch.Tensor) -> VerifyOutput:
+    """BENCHMARK-ONLY (config refuses it without an explicit opt-in; not lossless): every draft is
+    accepted and the bonus token is the target's argmax after the last one."""
+    return _emit(draft_token_ids, num_drafts, target_ids.gather(1, num_drafts.unsqueeze(1)).squeeze(1))
+
+
 # ------------------------------------------------------------------------------ internals
 
 
@@ -179,8 +195,14 @@ def _finish(inp: VerifyInput, prep: _Prepared, tau: torch.Tensor, w_tau: torch.T
     token = exponential_argmax(dist, inp.generators)
     if inp.greedy is not None:
         token = torch.where(inp.greedy, p_sel.argmax(dim=-1), token)
-    column = torch.arange(g + 1, device=x.device).unsqueeze(0)
-    drafts = torch.cat([x, x.new_zeros(b, 1)], dim=1)
+    return _emit(x, tau, token)
+
+
+def _emit(drafts: torch.Tensor, tau: torch.Tensor, token: torch.Tensor) -> VerifyOutput:
+    """[B, G+1] rows: the tau accepted drafts, `token`, then -1."""
+    b, g = drafts.shape
+    column = torch.arange(g + 1, device=drafts.device).unsqueeze(0)
+    padded = torch.cat([drafts, drafts.new_zeros(b, 1)], dim=1)
     t = tau.unsqueeze(1)
-    out = torch.where(column < t, drafts, torch.where(column == t, token.unsqueeze(1), -1))
+    out = torch.where(column < t, padded, torch.where(column == t, token.unsqueeze(1), -1))
     return VerifyOutput(output_token_ids=out, num_accepted=tau)
