@@ -265,6 +265,26 @@ class Bench:
             row["ratio"] = row["TFLOP/s"] / self.matmul_tflops
 
 
+def sweep_short(bench: Bench) -> None:
+    """Batch-1 decode at the short contexts of a tg128 run (128-256 keys, bf16 and FP8): tiles and
+    splits, where a step is a chain of memory round trips rather than a stream."""
+    for kv_dtype, kv_name in KV_DTYPES:
+        for ctx in (136, 248) if bench.s.device == "cuda" else bench.s.contexts:
+            qlens, slens = [1], [ctx]
+            inputs = bench.inputs(qlens, slens)
+            configs = [dict(block_n=n, num_warps=w, num_stages=st, num_splits=1)
+                       for n in (32, 64, 128) for w in (2, 4) for st in (1, 2, 3)]
+            configs += [dict(block_n=n, num_splits=x) for n in (32, 64) for x in (2, 4)]
+            for overrides in configs:
+                plan = bench.plan(qlens, slens, fp8_kv=kv_dtype == FP8, **overrides)
+                if plan.split:  # each split's fewest keys: what the sweep sets, not the 256-key default
+                    plan = dataclasses.replace(plan, min_split_tiles=1)
+                seconds = bench.attention(kv_dtype, qlens, slens, plan, inputs)
+                row = record("sweep short decode", f"{kv_name} b1 ctx{ctx}", seconds, bench.kv_bytes(slens, kv_dtype),
+                             plan=label(plan))
+                row["ratio"] = row["GB/s"] / bench.copy_gbs
+
+
 def label(plan: AttentionPlan) -> str:
     return f"m{plan.block_m} n{plan.block_n} w{plan.num_warps} s{plan.num_stages} x{plan.num_splits}"
 
@@ -286,6 +306,7 @@ def main() -> None:
     parser.add_argument("--compile-peers", action="store_true", help="also time torch.compile of the fused-op references")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (run with TRITON_INTERPRET=1)")
     parser.add_argument("--json", help="write every row here")
+    parser.add_argument("--short-sweep", action="store_true", help="only the batch-1 short-context decode sweep")
     args = parser.parse_args()
     began = time.perf_counter()
     torch.manual_seed(0)
@@ -294,10 +315,13 @@ def main() -> None:
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     bench = Bench(s)
     bench.ceilings()
-    for stage in (bench.decode, bench.prefill, bench.kv_write, lambda: bench.fused(args.compile_peers)):
-        stage()
-    if not args.no_sweep:
-        bench.sweep()
+    if args.short_sweep:
+        sweep_short(bench)
+    else:
+        for stage in (bench.decode, bench.prefill, bench.kv_write, lambda: bench.fused(args.compile_peers)):
+            stage()
+        if not args.no_sweep:
+            bench.sweep()
     print(f"copy {bench.copy_gbs:.0f} GB/s, bf16 matmul {bench.matmul_tflops:.0f} TFLOP/s, "
           f"{time.perf_counter() - began:.0f} s")
     print_table()

@@ -137,10 +137,13 @@ class DraftModelProposer:
         probs: list[torch.Tensor | None] = []  # per step; None where every row drafted its argmax
         host_drafts = any(r.params.uses_penalties for r in requests)  # penalties count every draft
         drafted: list[list[int]] = [[] for _ in requests]  # host copies, kept only under penalties
+        logits = self._catch_up(requests, tables)
+        # Built while the device runs the catch-up step.
         steps = _DecodeSteps(requests, tables, limits, self.draft.block_size, self.scratch_slot, device)
         metadata, banned = None, None
         for step in range(gamma):
-            logits = self._catch_up(requests, tables) if step == 0 else self._decode(tokens[step - 1], steps.metadata(step))
+            if step:
+                logits = self._decode(tokens[step - 1], steps.metadata(step))
             step_banned = [r.banned_token_ids(extra_outputs=step) for r in requests]
             if metadata is None or host_drafts or step_banned != banned:
                 rows = [self._row(r, ids, bans) for r, ids, bans in zip(requests, drafted, step_banned)]
