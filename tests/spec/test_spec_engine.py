@@ -87,6 +87,22 @@ def test_draft_model_keeps_greedy_output(draft_dir: Path, reference: list[list[i
     assert stats.kv_blocks_used == 0
 
 
+@pytest.mark.parametrize("draft_sampling", ["greedy", "probabilistic"])
+def test_penalties_and_min_tokens_see_every_draft(draft_dir: Path, plain: LLM, draft_sampling: str) -> None:
+    """Penalties count the drafts before each position (the proposer keeps them on the host for
+    such requests) and min_tokens bans stop tokens at draft positions: greedy output with these
+    options equals plain decoding's. Drafting by sampling mixes steps with a distribution (bans
+    apply) and argmax steps (after min_tokens) in one proposal."""
+    params = [SamplingParams(temperature=0, max_tokens=40, repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=40, presence_penalty=0.8, frequency_penalty=0.4),
+              SamplingParams(temperature=0, max_tokens=40, min_tokens=30)]
+    prompts = [EDIT_PROMPT, PROMPTS[2], PROMPTS[3]]
+    llm = spec_llm(method="draft_model", model=str(draft_dir), num_speculative_tokens=4, draft_sampling=draft_sampling)
+    spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert spec == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert llm.engine.stats().spec_num_accepted_tokens > 0
+
+
 def test_greedy_drafts_and_their_verification_never_read_the_device(
     draft_dir: Path, reference: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:

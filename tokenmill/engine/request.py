@@ -36,12 +36,6 @@ class Drafts:
     device_ids: torch.Tensor | None = None  # [count] int64 on the model's device
     probs: torch.Tensor | None = None  # [count, V]: each draft's distribution as sampled; None = one-hot
 
-    def on_device(self, device: torch.device) -> torch.Tensor:
-        if self.device_ids is not None:
-            return self.device_ids
-        assert self.host_ids is not None
-        return torch.tensor(self.host_ids, dtype=torch.int64).to(device, non_blocking=True)
-
 
 NO_DRAFTS = Drafts()
 

@@ -176,9 +176,10 @@ class DraftModelProposer:
         """[B, gamma, V] q of every draft as sampled, or None when every draft was an argmax (one-hot q)."""
         if all(q is None for q in probs):
             return None
-        one_hot = [torch.zeros(tokens.shape[1], self.vocab_size, device=tokens.device).scatter_(1, ids[:, None], 1.0)
-                   for ids in tokens]
-        return torch.stack([hot if q is None else q for q, hot in zip(probs, one_hot)], dim=1)
+        def one_hot(ids: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(ids.shape[0], self.vocab_size, device=ids.device).scatter_(1, ids[:, None], 1.0)
+
+        return torch.stack([one_hot(ids) if q is None else q for q, ids in zip(probs, tokens)], dim=1)
 
     def _catch_up(self, requests: Sequence[Request], tables: Sequence[Sequence[int]]) -> torch.Tensor:
         """Draft logits after each request's last known token, computing the tokens the draft's

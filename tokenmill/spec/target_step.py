@@ -1,10 +1,12 @@
-"""The target's side of a speculative step: processed distributions at every draft position,
-verified in one call for the whole batch.
+"""The target's side of a speculative step: every draft position verified in one call for the
+whole batch.
 
 A request with d drafts owns d + 1 consecutive logits rows (the positions of its last known
 token and of each draft). Row i is processed as if the first i drafts had been sampled:
 penalties see them, min_tokens counts them. Requests without drafts verify nothing and simply
-sample from their one row, so one code path serves the whole batch.
+sample from their one row, so one code path serves the whole batch. When every row is greedy
+with nothing applied before the argmax (and in the benchmark-only accept-all mode), the target's
+choices are its logits' argmax and no distribution is built.
 """
 
 from __future__ import annotations
