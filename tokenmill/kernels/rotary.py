@@ -3,7 +3,9 @@
 cos/sin caches are [max_positions, rot] float32 with rot = head_dim (both halves equal, as
 tokenmill.layers.rotary builds them) or head_dim / 2; only the first head_dim / 2 columns are
 read. The arithmetic rounds as the PyTorch module does in the model dtype: cos and sin are cast
-to it, and each product and sum is rounded to it.
+to it, and each product and sum is rounded to it. That needs Triton's FP fusion off: with it on,
+one product of each pair entered a bf16 fused multiply-add unrounded, and which one depended on
+the instruction schedule (two kernels with the same arithmetic disagreed by an ulp on the GPU).
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import triton.language as tl
 
 from tokenmill.kernels._common import FP8_DTYPE, interpreting, next_pow2
 from tokenmill.kernels.kv_cache import cache_value
+
+# Fusion off: every product is rounded to the model dtype before the sum (see the docstring).
+LAUNCH = dict(num_warps=4, enable_fp_fusion=False)
 
 
 def apply_rotary_ref(
@@ -92,7 +97,7 @@ def apply_rotary_(
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
             num_q_heads, k.shape[1],
             HALF=half, HALF_P=next_pow2(half), QH_P=next_pow2(num_q_heads), KH_P=next_pow2(k.shape[1]),
-            num_warps=4,
+            **LAUNCH,
         )
     return q, k
 
@@ -158,6 +163,6 @@ def rotate_and_cache_(
             num_q_heads, k.shape[1],
             HALF=head_dim // 2, HALF_P=next_pow2(head_dim // 2), QH_P=next_pow2(num_q_heads), KH_P=next_pow2(k.shape[1]),
             PAGE=kv_cache.shape[2], QUANT=quant, EMULATE_ROUNDING=quant and interpreting(),
-            num_warps=4,
+            **LAUNCH,
         )
     return q
