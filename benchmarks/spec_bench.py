@@ -6,7 +6,8 @@ so a real draft's acceptance cannot be measured here; the figures are the machin
     as the engine runs them (captured CUDA graphs, device time);
   - batch-1 decode tok/s without speculation, with the n-gram proposer on a repetitive prompt,
     and with the draft model under BENCHMARK-ONLY accept-all verification (not lossless: it
-    shows the speed-up at full acceptance, acceptance length gamma + 1).
+    shows the speed-up at full acceptance, acceptance length gamma + 1), with its full head and
+    with the head cut to a 32k-token draft vocabulary.
 
     python benchmarks/spec_bench.py [--gamma 4] [--parts cost,ngram,accept,vocab]
 """
