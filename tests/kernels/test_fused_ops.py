@@ -75,6 +75,12 @@ def rope_cache(max_pos: int, head_dim: int, device) -> tuple[torch.Tensor, torch
     return emb.cos().to(device), emb.sin().to(device)
 
 
+def qkv_views(tokens: int, heads: int, kv_heads: int, head_dim: int, device, dtype) -> tuple[torch.Tensor, ...]:
+    """q, k, v as the model gives them: strided [T, heads, D] views into one projection output."""
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, device=device, dtype=dtype)
+    return qkv.split([heads, kv_heads, kv_heads], dim=1)
+
+
 @pytest.mark.parametrize(
     "tokens,heads,kv_heads,head_dim,dtype,device",
     [
@@ -89,9 +95,7 @@ def test_rotary_in_place_on_strided_views(tokens, heads, kv_heads, head_dim, dty
     torch.manual_seed(0)
     cos, sin = rope_cache(4096, head_dim, device)
     positions = torch.randint(0, 4096, (tokens,), device=device)
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=device, dtype=dtype)
-    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    q, k, v = (t.view(tokens, -1, head_dim) for t in (q, k, v))
+    q, k, v = qkv_views(tokens, heads, kv_heads, head_dim, device, dtype)
     ref_q, ref_k = apply_rotary_ref(positions, q.clone(), k.clone(), cos, sin)
     v_before = v.clone()
     apply_rotary_(positions, q, k, cos, sin)
@@ -127,8 +131,7 @@ def test_rotate_and_cache_equals_rotary_then_kv_write(tokens, heads, kv_heads, h
 
     torch.manual_seed(0)
     dtype = torch.float32 if cache_dtype == torch.float32 else torch.bfloat16
-    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, device=device, dtype=dtype)
-    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    q, k, v = qkv_views(tokens, heads, kv_heads, head_dim, device, dtype)
     positions = torch.randint(0, 500, (tokens,), device=device)
     cos, sin = rope_cache(512, head_dim, device)
     page, blocks = 4, tokens + 2

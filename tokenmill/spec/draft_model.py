@@ -176,6 +176,7 @@ class DraftModelProposer:
         """[B, gamma, V] q of every draft as sampled, or None when every draft was an argmax (one-hot q)."""
         if all(q is None for q in probs):
             return None
+
         def one_hot(ids: torch.Tensor) -> torch.Tensor:
             return torch.zeros(ids.shape[0], self.vocab_size, device=ids.device).scatter_(1, ids[:, None], 1.0)
 

@@ -112,9 +112,9 @@ def verify_greedy(target_ids: torch.Tensor, draft_token_ids: torch.Tensor, num_d
     """Every row greedy, nothing applied before the argmax: accept drafts while they equal the
     target's argmax, then emit the target's argmax at the first mismatch (or the bonus position).
     target_ids [B, G+1]: the argmax of each target row; the rest as in VerifyInput."""
-    b, g = draft_token_ids.shape
+    g = draft_token_ids.shape[1]
     valid = torch.arange(g, device=target_ids.device).unsqueeze(0) < num_drafts.unsqueeze(1)
-    tau = _leading_true((draft_token_ids == target_ids[:, :g]) & valid)
+    tau = _argmax_run(draft_token_ids, target_ids, valid)
     return _emit(draft_token_ids, tau, target_ids.gather(1, tau.unsqueeze(1)).squeeze(1))
 
 
@@ -164,6 +164,12 @@ def _uniforms(inp: VerifyInput) -> torch.Tensor:
     return u
 
 
+def _argmax_run(drafts: torch.Tensor, target_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[B] greedy acceptance: how many leading drafts equal the target's argmax at their position
+    (target_ids [B, >= G]; valid [B, G] marks real drafts)."""
+    return _leading_true((drafts == target_ids[:, : drafts.shape[1]]) & valid)
+
+
 def _leading_true(mask: torch.Tensor) -> torch.Tensor:
     """[B, G] bool -> [B] int64 number of leading True values."""
     return mask.to(torch.int64).cumprod(dim=1).sum(dim=1)
@@ -175,8 +181,7 @@ def _finish(inp: VerifyInput, prep: _Prepared, tau: torch.Tensor, w_tau: torch.T
     b, g = x.shape
     v = p.shape[2]
     if inp.greedy is not None and g > 0:
-        matches = (x == p[:, :g].argmax(dim=-1)) & prep.valid
-        tau = torch.where(inp.greedy, _leading_true(matches), tau)
+        tau = torch.where(inp.greedy, _argmax_run(x, p[:, :g].argmax(dim=-1), prep.valid), tau)
     p_sel = p.gather(1, tau.view(b, 1, 1).expand(b, 1, v)).squeeze(1)  # p_{tau+1}: [B, V]
     bonus = tau >= inp.num_drafts
     if g == 0:
