@@ -21,6 +21,7 @@ from triton.compiler import ASTSource
 
 from tokenmill.kernels.activation import _silu_and_mul_kernel
 from tokenmill.kernels.attention import plan_attention
+from tokenmill.kernels.gemv import _gemv_kernel, gemv_tile
 from tokenmill.kernels.kv_cache import _write_kv_kernel
 from tokenmill.kernels.paged_attention import _merge_kernel, _paged_attention_kernel
 from tokenmill.kernels.rms_norm import _rms_norm_kernel
@@ -71,6 +72,7 @@ def attention_variants():
                         GROUP=group, GROUP_P=triton.next_power_of_2(group), HEAD_DIM=head_dim,
                         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m,
                         BLOCK_N=plan.block_n, PAGE=16, SPLIT=plan.split, MIN_SPLIT_TILES=plan.min_split_tiles, UPCAST=False, IEEE=dtype == torch.float32,
+                        F16_DOT=kv_dtype == torch.float8_e4m3fn and dtype == torch.bfloat16, LAUNCH_NEXT=True,
                     )
                     label = f"attention {TL[dtype]} kv={TL[kv_dtype]} H={heads}/{kv_heads} D={head_dim} q={max_q}"
                     yield label, _paged_attention_kernel, types, consts, plan.num_warps, plan.num_stages
@@ -79,17 +81,23 @@ def attention_variants():
 def other_variants():
     for head_dim in (64, 128, 256):
         yield (f"merge D={head_dim}", _merge_kernel, {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "qsl_ptr": "*i32"},
-               dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, SPLITS_P=64), 4, 1)
+               dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, SPLITS_P=64, LAUNCH_NEXT=True), 4, 1)
     for cache in ("bf16", "fp8e4nv"):
         yield (f"write_kv cache={cache}", _write_kv_kernel,
                {"key_ptr": "*bf16", "value_ptr": "*bf16", "cache_ptr": f"*{cache}", "slot_ptr": "*i64",
                 "k_scale": "fp32", "v_scale": "fp32"},
                dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_P=8, DIM_P=128, PAGE=16, QUANT=cache != "bf16",
                     EMULATE_ROUNDING=False), 4, 1)
+    for n, k in ((6144, 4096), (4096, 14336), (3072, 2048)):
+        tile = gemv_tile(n, k)
+        types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16"}
+        yield (f"gemv {n}x{k} (dependent launch)", _gemv_kernel, types,
+               dict(HAS_BIAS=False, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=True, PDL=True),
+               tile.num_warps, tile.num_stages)
     yield ("rms_norm+residual 4096", _rms_norm_kernel,
            {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16", "eps": "fp32"},
-           dict(BLOCK=4096, HAS_RESIDUAL=True), 8, 1)
-    yield ("silu_and_mul", _silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"}, dict(BLOCK=1024), 4, 1)
+           dict(BLOCK=4096, HAS_RESIDUAL=True, LAUNCH_NEXT=True), 8, 1)
+    yield ("silu_and_mul", _silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"}, dict(BLOCK=1024, LAUNCH_NEXT=True), 4, 1)
     yield ("rotary D=128", _rotary_kernel,
            {"pos_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32"},
            dict(HALF=64, HALF_P=64, QH_P=32, KH_P=8), ROTARY_LAUNCH["num_warps"], 1)

@@ -45,6 +45,37 @@ def test_gemv_tiles_agree(tile: GemvTile) -> None:
     torch.testing.assert_close(gemv(x, weight, tile=tile), x @ weight.T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs sm_90")
+@pytest.mark.parametrize("n,k", [(4096, 4096), (2048, 2048), (4096, 14336), (1000, 3000)])
+def test_dependent_launch_reads_x_only_after_its_producer(n: int, k: int) -> None:
+    """Launched as a programmatic dependent of the norm that writes x (which lets it start at
+    once), the matmul equals a plain launch bit for bit, in a CUDA graph as on a stream."""
+    from tokenmill.kernels.rms_norm import fused_add_rms_norm
+
+    torch.manual_seed(3)
+    residual = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    weight = (0.05 * torch.randn(n, k, device="cuda")).to(torch.bfloat16)
+    norm = torch.rand(k, device="cuda", dtype=torch.bfloat16)
+
+    def step(pdl: bool) -> torch.Tensor:
+        outputs = []
+        for i in range(8):  # each x differs and is written by the kernel just before the matmul
+            x, _ = fused_add_rms_norm(residual * (i + 1), residual, norm, 1e-5)
+            outputs.append(gemv(x, weight, pdl=pdl))
+        return torch.cat(outputs)
+
+    plain = step(False)
+    assert torch.equal(step(True), plain)
+    graph = torch.cuda.CUDAGraph()
+    step(True)
+    with torch.cuda.graph(graph):
+        captured = step(True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, plain)
+
+
 def test_gemv_refuses_more_than_one_row() -> None:
     with pytest.raises(ValueError, match=r"x \[1, K\]"):
         gemv(torch.randn(2, 8), torch.randn(4, 8))

@@ -8,6 +8,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 FP8_E4M3_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
@@ -32,6 +33,27 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Programmatic dependent launch (sm_90+): a kernel may start while the one before it
+    finishes, doing work that does not read its output until `gdc_wait`. Never in the interpreter."""
+    if device.type != "cuda" or interpreting():
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+
+
+@triton.jit
+def launch_next(ENABLED: tl.constexpr):
+    """Let the next kernel, if launched as a programmatic dependent (the one-row matmul after a
+    norm, attention or SiLU), start now: it reads only weights until it waits for this one."""
+    if ENABLED:
+        gdc_launch_dependents()
 
 
 @triton.jit

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from tokenmill.kernels._common import dependent_launch, launch_next
+
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
@@ -14,7 +16,8 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, LAUNCH_NEXT: tl.constexpr):
+    launch_next(LAUNCH_NEXT)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -34,6 +37,6 @@ def silu_and_mul(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
     out = torch.empty((x2.shape[0], n_cols), dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n_cols, block))](
-            x2, out, x2.stride(0), out.stride(0), n_cols, BLOCK=block, num_warps=4
+            x2, out, x2.stride(0), out.stride(0), n_cols, BLOCK=block, LAUNCH_NEXT=dependent_launch(x.device), num_warps=4
         )
     return out.view(*x.shape[:-1], n_cols)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tokenmill.kernels._common import mm
+from tokenmill.kernels._common import launch_next, mm
 
 LOG2E = 1.4426950408889634
 
@@ -102,8 +102,9 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, SPLIT: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, F16_DOT: tl.constexpr, LAUNCH_NEXT: tl.constexpr,
 ):
+    launch_next(LAUNCH_NEXT)
     # Highest tile ids first: in a causal prefill the last tiles of a request do the most work.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -148,6 +149,12 @@ def _paged_attention_kernel(
     d_ok = offs_d[None, :] < HEAD_DIM
     q_ptrs = q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok, other=0.0)
+    if F16_DOT:
+        # FP8 keys and values widen to fp16 in one instruction per pair (to bf16 it takes three,
+        # and the kernel is bound by instructions, not bytes). q is scaled first so that it
+        # stays inside fp16's range; fp16 holds it, and p, more finely than bf16 does.
+        q = (q.to(tl.float32) * qk_scale).to(tl.float16)
+        qk_scale = 1.0
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -184,8 +191,9 @@ def _paged_attention_kernel(
 @triton.jit
 def _merge_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, qsl_ptr, num_requests, num_heads, num_splits, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P: tl.constexpr, LAUNCH_NEXT: tl.constexpr,
 ):
+    launch_next(LAUNCH_NEXT)
     tok = tl.program_id(0)
     head = tl.program_id(1)
     if tok >= tl.load(qsl_ptr + num_requests):  # a padding row: no request wrote partials for it

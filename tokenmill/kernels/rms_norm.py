@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels._common import next_pow2
+from tokenmill.kernels._common import dependent_launch, launch_next, next_pow2
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -29,8 +29,9 @@ def fused_add_rms_norm_ref(
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, LAUNCH_NEXT: tl.constexpr,
 ):
+    launch_next(LAUNCH_NEXT)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -65,7 +66,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out, res_out,
             x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0), n_cols, eps,
-            BLOCK=block, HAS_RESIDUAL=residual is not None,
+            BLOCK=block, HAS_RESIDUAL=residual is not None, LAUNCH_NEXT=dependent_launch(x.device),
             num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16),
         )
     return out.view(x.shape), res_out.view(x.shape)

@@ -48,12 +48,19 @@ def _rotated(x1, x2, c, s):
 
 
 @triton.jit
-def _rotate_heads(x_ptr, stride_h, c, s, num_heads, HALF: tl.constexpr, HEADS_P: tl.constexpr, HALF_P: tl.constexpr):
+def _head_halves(x_ptr, stride_h, num_heads, HALF: tl.constexpr, HEADS_P: tl.constexpr, HALF_P: tl.constexpr):
+    """Pointers to the first halves of a token's heads, their mask, and both halves loaded."""
     heads = tl.arange(0, HEADS_P)[:, None]
     cols = tl.arange(0, HALF_P)[None, :]
     mask = (heads < num_heads) & (cols < HALF)
     p1 = x_ptr + heads * stride_h + cols
-    o1, o2 = _rotated(tl.load(p1, mask=mask, other=0.0), tl.load(p1 + HALF, mask=mask, other=0.0), c, s)
+    return p1, mask, tl.load(p1, mask=mask, other=0.0), tl.load(p1 + HALF, mask=mask, other=0.0)
+
+
+@triton.jit
+def _rotate_heads(x_ptr, stride_h, c, s, num_heads, HALF: tl.constexpr, HEADS_P: tl.constexpr, HALF_P: tl.constexpr):
+    p1, mask, x1, x2 = _head_halves(x_ptr, stride_h, num_heads, HALF, HEADS_P, HALF_P)
+    o1, o2 = _rotated(x1, x2, c, s)
     tl.store(p1, o1, mask=mask)
     tl.store(p1 + HALF, o2, mask=mask)
 
@@ -111,29 +118,31 @@ def _rotary_cache_kernel(
     HALF: tl.constexpr, HALF_P: tl.constexpr, QH_P: tl.constexpr, KH_P: tl.constexpr,
     PAGE: tl.constexpr, QUANT: tl.constexpr, EMULATE_ROUNDING: tl.constexpr,
 ):
+    # Every load that does not wait for the position is issued before cos and sin: a decode
+    # step runs this once per layer at batch 1, where its latency is the whole cost.
     tok = tl.program_id(0)
     pos = tl.load(pos_ptr + tok)
+    slot = tl.load(slot_ptr + tok)
+    q1_ptr, q_mask, q1, q2 = _head_halves(q_ptr + tok * stride_qt, stride_qh, num_q_heads, HALF, QH_P, HALF_P)
+    _, kv_mask, k1, k2 = _head_halves(k_ptr + tok * stride_kt, stride_kh, num_kv_heads, HALF, KH_P, HALF_P)
+    _, _, v1, v2 = _head_halves(v_ptr + tok * stride_vt, stride_vh, num_kv_heads, HALF, KH_P, HALF_P)
     cols = tl.arange(0, HALF_P)[None, :]
     cmask = cols < HALF
     dtype = q_ptr.dtype.element_ty
     c = tl.load(cos_ptr + pos * stride_cos + cols, mask=cmask, other=0.0).to(dtype).to(tl.float32)
     s = tl.load(sin_ptr + pos * stride_sin + cols, mask=cmask, other=0.0).to(dtype).to(tl.float32)
-    _rotate_heads(q_ptr + tok * stride_qt, stride_qh, c, s, num_q_heads, HALF, QH_P, HALF_P)
-    slot = tl.load(slot_ptr + tok)
+    q1, q2 = _rotated(q1, q2, c, s)
+    tl.store(q1_ptr, q1, mask=q_mask)
+    tl.store(q1_ptr + HALF, q2, mask=q_mask)
     if slot >= 0:
+        k1, k2 = _rotated(k1, k2, c, s)
         heads = tl.arange(0, KH_P)[:, None]
-        mask = (heads < num_kv_heads) & cmask
-        k1_ptr = k_ptr + tok * stride_kt + heads * stride_kh + cols
-        v1_ptr = v_ptr + tok * stride_vt + heads * stride_vh + cols
-        k1, k2 = _rotated(tl.load(k1_ptr, mask=mask, other=0.0), tl.load(k1_ptr + HALF, mask=mask, other=0.0), c, s)
-        v1 = tl.load(v1_ptr, mask=mask, other=0.0)
-        v2 = tl.load(v1_ptr + HALF, mask=mask, other=0.0)
         out_ty = cache_ptr.dtype.element_ty
         dst = cache_ptr + (slot // PAGE) * stride_block + (slot % PAGE) * stride_tok + heads * stride_head + cols
-        tl.store(dst, cache_value(k1, k_scale, out_ty, QUANT, EMULATE_ROUNDING), mask=mask)
-        tl.store(dst + HALF, cache_value(k2, k_scale, out_ty, QUANT, EMULATE_ROUNDING), mask=mask)
-        tl.store(dst + stride_plane, cache_value(v1, v_scale, out_ty, QUANT, EMULATE_ROUNDING), mask=mask)
-        tl.store(dst + stride_plane + HALF, cache_value(v2, v_scale, out_ty, QUANT, EMULATE_ROUNDING), mask=mask)
+        tl.store(dst, cache_value(k1, k_scale, out_ty, QUANT, EMULATE_ROUNDING), mask=kv_mask)
+        tl.store(dst + HALF, cache_value(k2, k_scale, out_ty, QUANT, EMULATE_ROUNDING), mask=kv_mask)
+        tl.store(dst + stride_plane, cache_value(v1, v_scale, out_ty, QUANT, EMULATE_ROUNDING), mask=kv_mask)
+        tl.store(dst + stride_plane + HALF, cache_value(v2, v_scale, out_ty, QUANT, EMULATE_ROUNDING), mask=kv_mask)
 
 
 def rotate_and_cache_(
