@@ -9,7 +9,7 @@ so a real draft's acceptance cannot be measured here; the figures are the machin
     shows the speed-up at full acceptance, acceptance length gamma + 1), with its full head and
     with the head cut to a 32k-token draft vocabulary.
 
-    python benchmarks/spec_bench.py [--gamma 4] [--parts cost,ngram,accept,vocab]
+    python benchmarks/spec_bench.py [--gamma 4] [--parts cost,ngram,accept,vocab] [--vocab-gammas 4,6]
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ def graph_step_ms(graphs: StepGraphs, batch: int, context: int, repeats: int = 2
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--vocab-gammas", default="",
+                        help="comma-separated gammas for the draft-vocabulary part (default: --gamma)")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--parts", default="cost,ngram,accept,vocab",
                         help="verify-step cost, n-gram decode, accept-all decode, accept-all with a 32k draft vocabulary")
@@ -105,26 +107,27 @@ def main() -> None:
 
         os.environ[BENCHMARK_ACCEPT_ALL_ENV] = "1"
         if "accept" in parts:
-            accept_all_decode(target_dir, draft_dir, common, args, base, report, None)
+            accept_all_decode(target_dir, draft_dir, common, args.gamma, args.tokens, base, report, None)
         if "vocab" in parts:
             # The draft's head cut to a 32k-token draft vocabulary (the head is 21% of the 1B's
             # bytes): what `tokenmill draft-vocab build` buys at full acceptance.
             vocab_file = Path(tmp, "draft_vocab.npy")
             numpy.save(vocab_file, numpy.arange(32768, dtype=numpy.int64))
-            accept_all_decode(target_dir, draft_dir, common, args, base, report, vocab_file)
+            for gamma in [int(g) for g in args.vocab_gammas.split(",") if g] or [args.gamma]:
+                accept_all_decode(target_dir, draft_dir, common, gamma, args.tokens, base, report, vocab_file)
     print(json.dumps(figures))
 
 
-def accept_all_decode(target_dir: Path, draft_dir: Path, common: dict, args: argparse.Namespace, base: float,
+def accept_all_decode(target_dir: Path, draft_dir: Path, common: dict, gamma: int, tokens: int, base: float,
                       report: Callable[[str, float, str], None], draft_vocab: Path | None) -> None:
     """BENCHMARK-ONLY accept-all decoding at bs=1 with the 1B-shape draft (optionally with a draft vocabulary)."""
-    label = "" if draft_vocab is None else ", 32k draft vocabulary"
-    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": args.gamma,
+    label = f", gamma {gamma}" + ("" if draft_vocab is None else ", 32k draft vocabulary")
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": gamma,
             "draft_sampling": "greedy", "verification": BENCHMARK_ACCEPT_ALL}
     if draft_vocab is not None:
         spec["draft_vocab"] = str(draft_vocab)
     draft = LLM(str(target_dir), **common, speculative_config=spec)
-    rate = decode_rate(draft, 128, args.tokens)
+    rate = decode_rate(draft, 128, tokens)
     report(f"BENCHMARK-ONLY accept-all: bs=1 decode, 1B-shape draft{label}", rate, "tok/s")
     report(f"  ratio to no speculation{label}", rate / base, "x")
     report(f"  accept-all mean acceptance length{label}", draft.engine.spec_stats.mean_acceptance_length, "")
