@@ -9,6 +9,7 @@ import pytest
 
 PP_RATE = 5000.0  # fake prefill: prompt tokens per second (1024 tokens: ~0.2 s)
 INTERVAL = 0.005  # fake decode: seconds per token, i.e. 200 t/s per stream
+CONCURRENT_TOL = 0.10
 FIXTURE = Path(__file__).parent / "fixtures" / "llama_benchy_0.4.0.json"
 
 
@@ -31,13 +32,15 @@ def test_rates_and_concurrency_totals(fake, bench, tmp_path):
     # single stream: est_ppt = ttfr - latency, pp = prompt tokens / est_ppt; tg = 1 / interval
     assert within(one["pp_throughput"]["mean"], PP_RATE)
     assert within(one["tg_throughput"]["mean"], 1 / INTERVAL)
-    # three together: per request the same rates; totals over the batch's span
-    assert within(three["pp_req_throughput"]["mean"], PP_RATE)
-    assert within(three["tg_req_throughput"]["mean"], 1 / INTERVAL)
-    assert within(three["tg_throughput"]["mean"], 3 / INTERVAL)
+    # three together: per request the same rates; totals over the batch's span. Three streams
+    # start within a few ms of each other on a 2-core machine, and a span of ~0.2 s moves by
+    # that much, so these allow 10% (a wrong formula is off by about 3x).
+    assert within(three["pp_req_throughput"]["mean"], PP_RATE, CONCURRENT_TOL)
+    assert within(three["tg_req_throughput"]["mean"], 1 / INTERVAL, CONCURRENT_TOL)
+    assert within(three["tg_throughput"]["mean"], 3 / INTERVAL, CONCURRENT_TOL)
     prompt = three["requests"][0][0]["prompt_tokens"]
     assert within(prompt, 1024, 0.12)  # sized by the local tokenizer, calibrated on the server's usage
-    assert within(three["pp_throughput"]["mean"], 3 * prompt / (latency + prompt / PP_RATE))
+    assert within(three["pp_throughput"]["mean"], 3 * prompt / (latency + prompt / PP_RATE), CONCURRENT_TOL)
     assert len(three["pp_throughput"]["values"]) == 2  # warm-up run discarded
     assert "| pp1024 (c1) |" in " ".join(stdout.split())
 
