@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from tiny_models import save_tiny_checkpoint
+
 from tokenmill.cli import build_parser, main
 
 

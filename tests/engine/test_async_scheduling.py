@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from tiny_models import save_tiny_checkpoint
+
 from tokenmill import LLM, SamplingParams
 
 

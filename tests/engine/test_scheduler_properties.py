@@ -21,7 +21,9 @@ from tokenmill.sampling_params import SamplingParams
 
 
 class Simulation:
-    def __init__(self, num_blocks: int, block_size: int, budget: int, max_seqs: int, policy: str, caching: bool, seed: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, budget: int, max_seqs: int, policy: str, caching: bool, seed: int
+    ) -> None:
         self.kv = KVCacheManager(num_blocks, block_size, caching)
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy), self.kv)
         self.rng = random.Random(seed)

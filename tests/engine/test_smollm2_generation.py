@@ -139,7 +139,8 @@ def test_stop_string_across_token_boundaries(smollm2_llm: LLM) -> None:
 
 
 def test_n_samples_and_logprobs(smollm2_llm: LLM) -> None:
-    out = smollm2_llm.generate(["The weather today is"], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, logprobs=2))[0]
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, logprobs=2)
+    out = smollm2_llm.generate(["The weather today is"], params)[0]
     assert [o.index for o in out.outputs] == [0, 1, 2]
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
     for completion in out.outputs:

@@ -71,7 +71,8 @@ def attention_variants():
                     consts = dict(
                         GROUP=group, GROUP_P=triton.next_power_of_2(group), HEAD_DIM=head_dim,
                         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m,
-                        BLOCK_N=plan.block_n, PAGE=16, SPLIT=plan.split, MIN_SPLIT_TILES=plan.min_split_tiles, UPCAST=False, IEEE=dtype == torch.float32,
+                        BLOCK_N=plan.block_n, PAGE=16, SPLIT=plan.split, MIN_SPLIT_TILES=plan.min_split_tiles,
+                        UPCAST=False, IEEE=dtype == torch.float32,
                         F16_DOT=kv_dtype == torch.float8_e4m3fn and dtype == torch.bfloat16, LAUNCH_NEXT=True,
                     )
                     label = f"attention {TL[dtype]} kv={TL[kv_dtype]} H={heads}/{kv_heads} D={head_dim} q={max_q}"
@@ -80,7 +81,8 @@ def attention_variants():
 
 def other_variants():
     for head_dim in (64, 128, 256):
-        yield (f"merge D={head_dim}", _merge_kernel, {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "qsl_ptr": "*i32"},
+        types = {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "qsl_ptr": "*i32"}
+        yield (f"merge D={head_dim}", _merge_kernel, types,
                dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, SPLITS_P=64, LAUNCH_NEXT=True), 4, 1)
     for cache in ("bf16", "fp8e4nv"):
         yield (f"write_kv cache={cache}", _write_kv_kernel,

@@ -24,7 +24,9 @@ LLAMA_MIXED = [(2048, 2048), (512, 4608), (1, 32768), (1, 1000), (1, 4097), (37,
 LLAMA_DECODE = [(1, n) for n in (32768, 128, 4096, 1, 16384, 777)] * 4
 
 
-def random_cache(shape: tuple[int, ...], kv_dtype: torch.dtype, dtype: torch.dtype, scales: tuple[float, float], device) -> torch.Tensor:
+def random_cache(
+    shape: tuple[int, ...], kv_dtype: torch.dtype, dtype: torch.dtype, scales: tuple[float, float], device
+) -> torch.Tensor:
     cache = torch.randn(shape, dtype=torch.float32, device=device)
     if kv_dtype == FP8:  # dequantizes to about N(0, 1), as fresh keys and values are
         return torch.stack([quantize_fp8_ref(cache[i], s) for i, s in enumerate(scales)])

@@ -311,7 +311,8 @@ def test_mistral_named_llama_gguf_gets_mistral_config(tmp_path: Path) -> None:
     assert config.model_type == "mistral"
     assert config.sliding_window is None
     got = dict(iter_weights(resolve_model(tmp_path)))
-    assert torch.equal(got["model.layers.1.self_attn.k_proj.weight"], model.state_dict()["model.layers.1.self_attn.k_proj.weight"])
+    name = "model.layers.1.self_attn.k_proj.weight"
+    assert torch.equal(got[name], model.state_dict()[name])
 
 
 def test_incomplete_or_non_uniform_metadata(tmp_path: Path) -> None:

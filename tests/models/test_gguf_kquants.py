@@ -43,16 +43,16 @@ def ref_dequant_q6_k(block: bytes) -> list[float]:
     y = [0.0] * 256
     for half in range(2):
         L, H, S, Y = 64 * half, 32 * half, 8 * half, 128 * half
-        for l in range(32):
-            i = l // 16
-            q1 = ((ql[L + l] & 0xF) | (((qh[H + l] >> 0) & 3) << 4)) - 32
-            q2 = ((ql[L + l + 32] & 0xF) | (((qh[H + l] >> 2) & 3) << 4)) - 32
-            q3 = ((ql[L + l] >> 4) | (((qh[H + l] >> 4) & 3) << 4)) - 32
-            q4 = ((ql[L + l + 32] >> 4) | (((qh[H + l] >> 6) & 3) << 4)) - 32
-            y[Y + l] = d * sc[S + i] * q1
-            y[Y + l + 32] = d * sc[S + i + 2] * q2
-            y[Y + l + 64] = d * sc[S + i + 4] * q3
-            y[Y + l + 96] = d * sc[S + i + 6] * q4
+        for j in range(32):
+            i = j // 16
+            q1 = ((ql[L + j] & 0xF) | (((qh[H + j] >> 0) & 3) << 4)) - 32
+            q2 = ((ql[L + j + 32] & 0xF) | (((qh[H + j] >> 2) & 3) << 4)) - 32
+            q3 = ((ql[L + j] >> 4) | (((qh[H + j] >> 4) & 3) << 4)) - 32
+            q4 = ((ql[L + j + 32] >> 4) | (((qh[H + j] >> 6) & 3) << 4)) - 32
+            y[Y + j] = d * sc[S + i] * q1
+            y[Y + j + 32] = d * sc[S + i + 2] * q2
+            y[Y + j + 64] = d * sc[S + i + 4] * q3
+            y[Y + j + 96] = d * sc[S + i + 6] * q4
     return y
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from tiny_models import TINY_CONFIGS, save_tiny_checkpoint
+
 from tokenmill import LLM, SamplingParams
 
 # float32 on CPU must agree to 1e-4. bf16 on CUDA is held against the float32 reference with a

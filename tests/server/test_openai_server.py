@@ -233,7 +233,8 @@ def test_metrics(server: Any, client: Any) -> None:
                  "tokenmill:num_preemptions_total", "tokenmill:prompt_tokens_total",
                  "tokenmill:generation_tokens_total"):
         assert name in text, name
-    line = next(l for l in text.splitlines() if l.startswith("tokenmill:request_success_total") and 'finished_reason="length"' in l)
+    line = next(row for row in text.splitlines()
+                if row.startswith("tokenmill:request_success_total") and 'finished_reason="length"' in row)
     assert float(line.split()[-1]) >= 1
 
 
