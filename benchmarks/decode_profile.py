@@ -31,7 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_bench import LLAMA_31_8B, copy_bandwidth, decode_rate, replay_seconds  # noqa: E402
+from gpu_bench import LLAMA_31_8B, copy_bandwidth, decode_rate, graph_time, replay_seconds  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.config import BENCHMARK_ACCEPT_ALL, BENCHMARK_ACCEPT_ALL_ENV  # noqa: E402
@@ -47,19 +47,6 @@ DRAFT_PROJECTIONS = {"1B qkv_proj": (3072, 2048), "1B o_proj": (2048, 2048), "1B
 TILES = [GemvTile(n, k, w, s) for n, k, w, s in (
     (4, 512, 4, 4), (8, 256, 4, 4), (8, 512, 4, 3), (8, 512, 4, 4), (8, 512, 8, 4), (8, 1024, 8, 3),
     (16, 256, 4, 4), (16, 512, 8, 3), (16, 512, 8, 4), (32, 256, 8, 3))]
-
-
-def graph_time(fn: Callable[[], object], repeats: int = 20) -> float:
-    """Median seconds of one replay of fn captured in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    return replay_seconds(graph.replay, repeats)
 
 
 def bench_gemv(copy_gbs: float) -> None:

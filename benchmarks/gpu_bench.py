@@ -57,6 +57,19 @@ def replay_seconds(replay: Callable[[], object], repeats: int = 20) -> float:
     return statistics.median(a.elapsed_time(b) for a, b in pairs) / 1e3
 
 
+def graph_time(fn: Callable[[], object], repeats: int = 20) -> float:
+    """Median seconds of one replay of fn captured in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return replay_seconds(graph.replay, repeats)
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy, bytes read + written per second."""
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda")

@@ -20,6 +20,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_bench import graph_time  # noqa: E402
 
 from tokenmill.kernels.activation import silu_and_mul  # noqa: E402
 from tokenmill.kernels.attention import paged_attention, plan_attention  # noqa: E402
@@ -93,26 +96,11 @@ class Chain:
         return x
 
 
-def replay_ms(chain: Chain, pdl: bool, repeats: int = 30) -> tuple[float, torch.Tensor]:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        chain.step(pdl)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            out = chain.step(pdl)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times), out.clone()
+def replay_ms(chain: Chain, pdl: bool) -> tuple[float, torch.Tensor]:
+    """Median ms of one replay of the captured step, and the step's output after it."""
+    outputs: list[torch.Tensor] = []
+    seconds = graph_time(lambda: outputs.append(chain.step(pdl)))
+    return 1e3 * seconds, outputs[-1].clone()  # the captured step's output, as the last replay left it
 
 
 def main() -> None:

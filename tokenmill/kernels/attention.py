@@ -122,7 +122,7 @@ def paged_attention(
     block_d = next_pow2(head_dim)
     upcast = interpreting() and q.dtype == torch.bfloat16
     ieee = q.dtype == torch.float32
-    launch_next = dependent_launch(q.device)
+    pdl = dependent_launch(q.device)
     splits = plan.num_splits
     if plan.split:
         part_out = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
@@ -141,13 +141,13 @@ def paged_attention(
         GROUP=group, GROUP_P=next_pow2(group), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, PAGE=page,
         SPLIT=plan.split, MIN_SPLIT_TILES=plan.min_split_tiles, UPCAST=upcast, IEEE=ieee,
-        F16_DOT=key_cache.dtype == FP8_DTYPE and q.dtype == torch.bfloat16, LAUNCH_NEXT=launch_next,
+        F16_DOT=key_cache.dtype == FP8_DTYPE and q.dtype == torch.bfloat16, LAUNCH_NEXT=pdl,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if plan.split:
         _merge_kernel[(num_tokens, num_heads)](
             out, part_out, part_lse, query_start_loc, num_requests, num_heads, splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_P=next_pow2(splits), LAUNCH_NEXT=launch_next,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_P=next_pow2(splits), LAUNCH_NEXT=pdl,
             num_warps=4 if head_dim >= 128 else 2,
         )
     return out

@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.request import Drafts, Request
@@ -26,16 +27,13 @@ from tokenmill.models.llama import head_dim_of
 from tokenmill.models.loader import iter_weights, load_hf_config, resolve_model
 from tokenmill.models.registry import model_class
 from tokenmill.runner.batch import Chunk, flat_block_tables, pack, slot_of, to_device
-from tokenmill.runner.model_runner import init_dummy_weights
+from tokenmill.runner.model_runner import KV_DTYPES, init_dummy_weights
 from tokenmill.spec.draft_vocab import load_draft_vocab
 
 if TYPE_CHECKING:
     from tokenmill.engine.kv_cache import KVCacheManager
     from tokenmill.runner.cuda_graphs import StepGraphs
     from tokenmill.runner.model_runner import ModelRunner
-
-KV_DTYPES = {"fp8": torch.float8_e4m3fn}
-
 
 class DraftModel:
     """The draft's weights, built before the target sizes its KV cache (so the memory profile
@@ -176,11 +174,8 @@ class DraftModelProposer:
         """[B, gamma, V] q of every draft as sampled, or None when every draft was an argmax (one-hot q)."""
         if all(q is None for q in probs):
             return None
-
-        def one_hot(ids: torch.Tensor) -> torch.Tensor:
-            return torch.zeros(ids.shape[0], self.vocab_size, device=ids.device).scatter_(1, ids[:, None], 1.0)
-
-        return torch.stack([one_hot(ids) if q is None else q for q, ids in zip(probs, tokens)], dim=1)
+        one_hot = [F.one_hot(ids, self.vocab_size).float() if q is None else q for q, ids in zip(probs, tokens)]
+        return torch.stack(one_hot, dim=1)
 
     def _catch_up(self, requests: Sequence[Request], tables: Sequence[Sequence[int]]) -> torch.Tensor:
         """Draft logits after each request's last known token, computing the tokens the draft's

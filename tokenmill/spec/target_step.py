@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from tokenmill.config import BENCHMARK_ACCEPT_ALL
 from tokenmill.engine.request import Request
@@ -141,5 +142,5 @@ def _draft_probs(requests: Sequence[Request], drafts: torch.Tensor, vocab: int) 
         if r.drafts.probs is not None:
             q[b, :d] = r.drafts.probs.to(drafts.device)
         elif d:
-            q[b, :d].scatter_(1, drafts[b, :d, None], 1.0)
+            q[b, :d] = F.one_hot(drafts[b, :d], vocab)
     return q
