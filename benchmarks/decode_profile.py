@@ -2,9 +2,10 @@
 
     python benchmarks/decode_profile.py [--skip gemv,kernels,spec]
 
-  gemv     each projection of the model at M = 1: cuBLAS (torch's linear) against tokenmill's
-           one-row kernel with its chosen tile and a few others, every weight cycled through
-           copies larger than L2; GB/s and ratio to the copy rate.
+  gemv     each projection of the target and the draft at M = 1, 2, 5, 8 rows (--gemv-rows):
+           cuBLAS (torch's linear) against tokenmill's few-row kernel with its chosen tile and
+           a few others, bf16 and (draft) FP8 weights, every weight cycled through copies
+           larger than L2; GB/s and ratio to the copy rate.
   kernels  one captured decode step (context 128, and 32k with FP8 KV) under the profiler:
            device time per kernel family, their sum against the replay's wall time (the
            gaps between kernels), and the engine's tok/s against the bare replay rate (what
@@ -43,37 +44,52 @@ PROJECTIONS = {  # name: (N, K) of Llama-3.1-8B
     "down_proj": (4096, 14336), "lm_head": (128256, 4096),
 }
 DRAFT_PROJECTIONS = {"1B qkv_proj": (3072, 2048), "1B o_proj": (2048, 2048), "1B gate_up": (16384, 2048),
-                     "1B down": (2048, 8192)}
+                     "1B down": (2048, 8192), "1B head 32k": (32768, 2048)}
+ROW_TILES = [GemvTile(n, k, w, s) for n, k, w, s in ((2, 256, 4, 4), (4, 256, 4, 4), (8, 128, 4, 4), (4, 512, 8, 3))]
 TILES = [GemvTile(n, k, w, s) for n, k, w, s in (
     (4, 512, 4, 4), (8, 256, 4, 4), (8, 512, 4, 3), (8, 512, 4, 4), (8, 512, 8, 4), (8, 1024, 8, 3),
     (16, 256, 4, 4), (16, 512, 8, 3), (16, 512, 8, 4), (32, 256, 8, 3))]
 
 
-def bench_gemv(copy_gbs: float) -> None:
-    print("\n## one-row matmul: GB/s of weight bytes (ratio to copy rate)")
-    for name, (n, k) in {**PROJECTIONS, **DRAFT_PROJECTIONS}.items():
-        copies = max(2, -(-2 * L2_BYTES // (n * k * 2)))
-        weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
-        for m in (1,):
-            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-            nbytes = copies * n * k * 2
-            ref = F.linear(x, weights[0]).float()
-            results = {"cublas": graph_time(lambda: [F.linear(x, w) for w in weights])}
-            for tile in [gemv_tile(n, k), *TILES]:
-                err = (gemv(x, weights[0], tile=tile).float() - ref).abs().max().item()
-                if err > 2e-2 * ref.abs().max().item():
-                    results[f"{tile} WRONG {err:.3g}"] = float("inf")
-                    continue
-                results[f"n{tile.block_n} k{tile.block_k} w{tile.num_warps} s{tile.num_stages}"] = graph_time(
-                    lambda t=tile: [gemv(x, w, tile=t) for w in weights])
-            best = min((v, key) for key, v in results.items() if key != "cublas")
-            cub, chosen = results["cublas"], next(v for key, v in results.items() if key != "cublas")
-            print(f"{name:<14} M={m}  cublas {nbytes / cub / 1e9:7.0f} GB/s ({nbytes / cub / 1e9 / copy_gbs:4.0%})"
-                  f"  chosen {nbytes / chosen / 1e9:7.0f} GB/s ({nbytes / chosen / 1e9 / copy_gbs:4.0%})"
-                  f"  best {nbytes / best[0] / 1e9:7.0f} GB/s ({nbytes / best[0] / 1e9 / copy_gbs:4.0%}) [{best[1]}]",
-                  flush=True)
-        weights.clear()
-        torch.cuda.empty_cache()
+def bench_gemv(copy_gbs: float, rows_list: list[int], tiles: list[GemvTile]) -> None:
+    """Per projection and rows of x: cuBLAS (bf16) against the few-row kernel (chosen tile, then
+    the best of a few others) with bf16 and, for the draft's projections, FP8 weights; weight
+    bytes per second and the ratio to the copy rate."""
+
+    def rate(seconds: float, nbytes: int) -> str:
+        return f"{nbytes / seconds / 1e9:6.0f} GB/s ({nbytes / seconds / 1e9 / copy_gbs:4.0%})"
+
+    print("\n## few-row matmul: GB/s of weight bytes (ratio to copy rate); fp8 = FP8 weights")
+    shapes = {**PROJECTIONS, **DRAFT_PROJECTIONS}
+    for name, (n, k) in shapes.items():
+        for fp8 in (False, True) if name in DRAFT_PROJECTIONS else (False,):
+            itemsize = 1 if fp8 else 2
+            copies = max(2, -(-2 * L2_BYTES // (n * k * itemsize)))
+            dense = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
+            scale = torch.full((n,), 0.02 / 448, device="cuda") if fp8 else None
+            weights = [(w / 0.02 * 448 / 4).to(torch.float8_e4m3fn) for w in dense] if fp8 else dense
+            nbytes = copies * n * k * itemsize
+            for m in rows_list:
+                x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+                ref = F.linear(x.float(), weights[0].float() * (1 if scale is None else scale[:, None]))
+                cublas = graph_time(lambda d=dense: [F.linear(x, w) for w in d])
+                results = {}
+                for tile in [gemv_tile(n, k, m, fp8), *(tiles if m == 1 else ROW_TILES)]:
+                    err = (gemv(x, weights[0], tile=tile, weight_scale=scale).float() - ref).abs().max().item()
+                    key = f"n{tile.block_n} k{tile.block_k} w{tile.num_warps} s{tile.num_stages}"
+                    if err > 2e-2 * ref.abs().max().item():
+                        print(f"  {name} M={m} {key}: WRONG (max error {err:.3g})")
+                        continue
+                    results.setdefault(key, graph_time(
+                        lambda t=tile, ws=weights: [gemv(x, w, tile=t, weight_scale=scale) for w in ws]))
+                chosen = next(iter(results.values()))
+                best = min((v, key) for key, v in results.items())
+                print(f"{name:<14}{' fp8' if fp8 else '    '} M={m}  cublas bf16 {rate(cublas, copies * n * k * 2)}"
+                      f"  chosen {rate(chosen, nbytes)} {chosen / cublas:5.2f}x of cublas time"
+                      f"  best {rate(best[0], nbytes)} [{best[1]}]", flush=True)
+            dense.clear()
+            weights.clear()
+            torch.cuda.empty_cache()
 
 
 def kernel_family(name: str) -> str:
@@ -219,12 +235,14 @@ def bench_idle(target_dir: str, draft_dir: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: gemv, kernels, spec")
+    parser.add_argument("--gemv-rows", default="1,2,5,8", help="rows of x in the gemv part")
+    parser.add_argument("--gemv-sweep", action="store_true", help="also try other one-row tiles")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
     copy_gbs = copy_bandwidth() / 1e9
     print(f"{torch.cuda.get_device_name()}: copy {copy_gbs:.0f} GB/s", flush=True)
     if "gemv" not in skip:
-        bench_gemv(copy_gbs)
+        bench_gemv(copy_gbs, [int(r) for r in args.gemv_rows.split(",")], TILES if args.gemv_sweep else [])
     with tempfile.TemporaryDirectory() as tmp:
         from spec_bench import LLAMA_32_1B
 

@@ -3,7 +3,8 @@
 Target of Llama-3.1-8B shape, draft of Llama-3.2-1B shape, both random (load_format=dummy),
 so a real draft's acceptance cannot be measured here; the figures are the machinery's:
   - the cost of a (1 + gamma)-token verify step against a 1-token step at batch 1/16/64, both
-    as the engine runs them (captured CUDA graphs, device time);
+    as the engine runs them (captured CUDA graphs, device time), and of a step with fewer
+    drafts run eagerly against the same step padded into the verify graph (wall time);
   - batch-1 decode tok/s without speculation, with the n-gram proposer on a repetitive prompt,
     and with the draft model under BENCHMARK-ONLY accept-all verification (not lossless: it
     shows the speed-up at full acceptance, acceptance length gamma + 1), with its full head and
@@ -12,6 +13,7 @@ so a real draft's acceptance cannot be measured here; the figures are the machin
     gamma + 1, or 3.5, plain steps).
 
     python benchmarks/spec_bench.py [--gamma 4] [--parts cost,ngram,accept,vocab] [--vocab-gammas 4,6]
+                                    [--draft-quantization fp8]
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_bench import LLAMA_31_8B, decode_rate, replay_seconds  # noqa: E402
+from gpu_bench import LLAMA_31_8B, decode_rate, median_time, replay_seconds  # noqa: E402
 
 from tokenmill import LLM  # noqa: E402
 from tokenmill.config import BENCHMARK_ACCEPT_ALL, BENCHMARK_ACCEPT_ALL_ENV  # noqa: E402
+from tokenmill.runner.batch import Chunk, pack  # noqa: E402
 from tokenmill.runner.cuda_graphs import StepGraphs  # noqa: E402
+from tokenmill.runner.model_runner import BatchInputs, ModelRunner  # noqa: E402
 
 LLAMA_32_1B = {
     **LLAMA_31_8B, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
@@ -61,12 +65,26 @@ def graph_step_ms(graphs: StepGraphs, batch: int, context: int, repeats: int = 2
     return 1e3 * replay_seconds(graph.replay, repeats)
 
 
+def ragged_step_ms(runner: ModelRunner, rows: int, context: int, padded: bool) -> float:
+    """Wall milliseconds (host launches included) of one bs=1 step adding `rows` tokens, every
+    one sampled: eager, or padded into the verify graph as the runner does it."""
+    table = list(range(-(-context // runner.block_size)))
+    ids, positions, metadata = pack([Chunk([0] * rows, context - rows, table)], runner.block_size, runner.device)
+    inputs = BatchInputs(ids, positions, metadata, torch.arange(rows, device=runner.device), uniform_query_len=None)
+    model = runner.model
+    step = (lambda: runner._logits(inputs)) if padded else (lambda: model.compute_logits(model(ids, positions, metadata)))
+    with torch.inference_mode():
+        return 1e3 * median_time(step, repeats=20)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--vocab-gammas", default="",
                         help="comma-separated gammas for the draft-vocabulary part (default: --gamma)")
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--draft-quantization", choices=["fp8"], default=None,
+                        help="quantize the draft's weights at load (the accept-all parts)")
     parser.add_argument("--parts", default="cost,ngram,accept,vocab",
                         help="verify-step cost, n-gram decode, accept-all decode, accept-all with a 32k draft vocabulary")
     args = parser.parse_args()
@@ -99,6 +117,11 @@ def main() -> None:
                 one, many = graph_step_ms(decode, batch, 512), graph_step_ms(verify, batch, 512)
                 report(f"verify step cost, bs={batch}, ctx 512: (1+{args.gamma}) / 1 token (graphs)", many / one, "x")
                 report(f"  1-token step / verify step, bs={batch}", one, f"/ {many:.3f} ms")
+            for rows in range(2, args.gamma + 1) if "cost" in parts else ():
+                eager, padded = (ragged_step_ms(ngram.engine.runner, rows, 512, p) for p in (False, True))
+                report(f"step of {rows} sampled tokens, bs=1, ctx 512: eager / padded into the verify graph", eager / padded,
+                       "x")
+                report(f"  eager / padded (wall, host launches included), {rows} tokens", eager, f"/ {padded:.3f} ms")
             if "ngram" in parts:
                 rate = decode_rate(ngram, len(repetitive), args.tokens, prompt=repetitive, first=2)
                 report("bs=1 decode, n-gram, repetitive prompt (random weights)", rate, "tok/s")
@@ -109,25 +132,32 @@ def main() -> None:
 
         os.environ[BENCHMARK_ACCEPT_ALL_ENV] = "1"
         if "accept" in parts:
-            accept_all_decode(target_dir, draft_dir, common, args.gamma, args.tokens, base, report, None)
+            accept_all_decode(target_dir, draft_dir, common, args.gamma, args.tokens, base, report, None,
+                              args.draft_quantization)
         if "vocab" in parts:
             # The draft's head cut to a 32k-token draft vocabulary (the head is 21% of the 1B's
             # bytes): what `tokenmill draft-vocab build` buys at full acceptance.
             vocab_file = Path(tmp, "draft_vocab.npy")
             numpy.save(vocab_file, numpy.arange(32768, dtype=numpy.int64))
             for gamma in [int(g) for g in args.vocab_gammas.split(",") if g] or [args.gamma]:
-                accept_all_decode(target_dir, draft_dir, common, gamma, args.tokens, base, report, vocab_file)
+                accept_all_decode(target_dir, draft_dir, common, gamma, args.tokens, base, report, vocab_file,
+                                  args.draft_quantization)
     print(json.dumps(figures))
 
 
 def accept_all_decode(target_dir: Path, draft_dir: Path, common: dict, gamma: int, tokens: int, base: float,
-                      report: Callable[[str, float, str], None], draft_vocab: Path | None) -> None:
-    """BENCHMARK-ONLY accept-all decoding at bs=1 with the 1B-shape draft (optionally with a draft vocabulary)."""
+                      report: Callable[[str, float, str], None], draft_vocab: Path | None,
+                      quantization: str | None) -> None:
+    """BENCHMARK-ONLY accept-all decoding at bs=1 with the 1B-shape draft (optionally with a draft
+    vocabulary and quantized weights)."""
     label = f", gamma {gamma}" + ("" if draft_vocab is None else ", 32k draft vocabulary")
+    label += f", {quantization} draft" if quantization else ""
     spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": gamma,
             "draft_sampling": "greedy", "verification": BENCHMARK_ACCEPT_ALL}
     if draft_vocab is not None:
         spec["draft_vocab"] = str(draft_vocab)
+    if quantization:
+        spec["quantization"] = quantization
     draft = LLM(str(target_dir), **common, speculative_config=spec)
     rate = decode_rate(draft, 128, tokens, first=2)
     report(f"BENCHMARK-ONLY accept-all: bs=1 decode, 1B-shape draft{label}", rate, "tok/s")

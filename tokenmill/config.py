@@ -105,6 +105,9 @@ class SpeculativeConfig:
     """File of token ids (.txt, .txt.gz, .npy) the draft head is restricted to."""
     draft_kv_cache_dtype: str = AUTO
     """auto = the draft model's dtype; fp8."""
+    quantization: str | None = None
+    """fp8: quantize the draft's linear layers (output head too) to FP8 E4M3 weights at load, one
+    scale per output row (weight-only); halves the bytes each draft step reads."""
     prompt_lookup_min: int = 1
     """Shortest suffix n-gram the ngram proposer matches."""
     prompt_lookup_max: int = 4
@@ -145,6 +148,10 @@ class SpeculativeConfig:
             raise ConfigError(f"draft_sampling must be probabilistic or greedy, not {self.draft_sampling!r}")
         if self.draft_kv_cache_dtype not in (AUTO, "fp8"):
             raise ConfigError(f"draft_kv_cache_dtype must be auto or fp8, not {self.draft_kv_cache_dtype!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ConfigError(f"the draft's quantization must be fp8 (or absent), not {self.quantization!r}")
+        if self.quantization and self.method != "draft_model":
+            raise ConfigError(f"quantization applies to a draft model; the {self.method} method has none")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
 

@@ -92,12 +92,14 @@ def other_variants():
                 "k_scale": "fp32", "v_scale": "fp32"},
                dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_P=8, DIM_P=128, PAGE=16, QUANT=cache != "bf16",
                     EMULATE_ROUNDING=False), 4, 1)
-    for n, k in ((6144, 4096), (4096, 14336), (3072, 2048)):
-        tile = gemv_tile(n, k)
-        types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16"}
-        yield (f"gemv {n}x{k} (dependent launch)", _gemv_kernel, types,
-               dict(HAS_BIAS=False, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=True, PDL=True),
-               tile.num_warps, tile.num_stages)
+    for n, k, rows, weight in ((6144, 4096, 1, "bf16"), (4096, 14336, 1, "bf16"), (3072, 2048, 1, "bf16"),
+                               (6144, 4096, 5, "bf16"), (4096, 14336, 8, "bf16"), (16384, 2048, 1, "fp8e4nv"),
+                               (2048, 8192, 2, "fp8e4nv")):
+        tile = gemv_tile(n, k, rows, weight != "bf16")
+        types = {"x_ptr": "*bf16", "w_ptr": f"*{weight}", "scale_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16"}
+        yield (f"gemv {n}x{k} {weight} rows={rows} (dependent launch)", _gemv_kernel, types,
+               dict(ROWS=rows, HAS_SCALE=weight != "bf16", HAS_BIAS=False, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                    EVEN_K=True, PDL=True), tile.num_warps, tile.num_stages)
     yield ("rms_norm+residual 4096", _rms_norm_kernel,
            {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16", "eps": "fp32"},
            dict(BLOCK=4096, HAS_RESIDUAL=True, LAUNCH_NEXT=True), 8, 1)

@@ -1,4 +1,4 @@
-"""The one-row matmul kernel and the Linear layer that dispatches to it."""
+"""The few-row matmul kernel (bf16/fp16/fp32 or FP8 weights) and the Linear layer that dispatches to it."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from kernel_cases import on_cpu, on_gpu
 
-from tokenmill.kernels.gemv import GemvTile, gemv, gemv_ref
-from tokenmill.layers.linear import Linear
+from tokenmill.kernels.gemv import MAX_ROWS, GemvTile, gemv, gemv_ref
+from tokenmill.layers.linear import FP8_KERNEL_ROWS, KERNEL_ROWS, Linear
 
 
 @pytest.mark.parametrize(
@@ -45,6 +45,46 @@ def test_gemv_tiles_agree(tile: GemvTile) -> None:
     torch.testing.assert_close(gemv(x, weight, tile=tile), x @ weight.T, rtol=1e-5, atol=1e-5)
 
 
+def fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight as FP8 E4M3 with a float32 scale per row."""
+    scale = weight.float().abs().amax(1) / 448.0
+    return (weight.float() / scale[:, None]).to(torch.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize(
+    "rows,n,k,fp8,dtype,device",
+    [
+        on_cpu(2, 21, 100, False, torch.float32, id="2-rows"),
+        on_cpu(5, 24, 64, False, torch.bfloat16, id="5-rows-bf16"),
+        on_cpu(MAX_ROWS, 21, 100, False, torch.float32, id="max-rows"),
+        on_cpu(1, 21, 100, True, torch.float32, id="fp8"),
+        on_cpu(3, 24, 64, True, torch.bfloat16, id="fp8-3-rows"),
+        on_cpu(MAX_ROWS, 21, 100, True, torch.float32, id="fp8-max-rows"),
+        on_gpu(5, 6144, 4096, False, torch.bfloat16, id="llama-qkv-verify"),
+        on_gpu(5, 128256, 4096, False, torch.bfloat16, id="llama-head-verify"),
+        on_gpu(8, 4096, 14336, False, torch.bfloat16, id="llama-down-8"),
+        on_gpu(1, 16384, 2048, True, torch.bfloat16, id="1b-gate-up-fp8"),
+        on_gpu(2, 2048, 8192, True, torch.bfloat16, id="1b-down-fp8-catch-up"),
+        on_gpu(5, 32768, 2048, True, torch.bfloat16, id="draft-head-fp8"),
+        on_gpu(3, 1000, 3000, True, torch.float16, id="ragged-fp8-f16"),
+    ],
+)
+def test_every_row_matches_linear(rows: int, n: int, k: int, fp8: bool, dtype: torch.dtype, device: str) -> None:
+    """Each row of x gets its own product with the one stream of W; FP8 rows are scaled by their scale."""
+    torch.manual_seed(4)
+    x = torch.randn(rows, k, device=device, dtype=dtype)
+    weight = 0.05 * torch.randn(n, k, device=device)
+    bias = torch.randn(n, device=device, dtype=dtype)
+    weight, scale = fp8_rows(weight) if fp8 else (weight.to(dtype), None)
+    expected = gemv_ref(x, weight, bias, scale)
+    actual = gemv(x, weight, bias, weight_scale=scale)
+    assert actual.shape == (rows, n) and actual.dtype == dtype
+    for row in range(rows):  # no row is another's: each is checked against its own reference
+        scale_of_row = expected[row].abs().max().item()
+        tol = 1e-5 * max(1.0, scale_of_row) if dtype == torch.float32 else 2e-2 * scale_of_row
+        torch.testing.assert_close(actual[row].float(), expected[row], rtol=0, atol=tol)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs sm_90")
 @pytest.mark.parametrize("n,k", [(4096, 4096), (2048, 2048), (4096, 14336), (1000, 3000)])
@@ -76,20 +116,47 @@ def test_dependent_launch_reads_x_only_after_its_producer(n: int, k: int) -> Non
     assert torch.equal(captured, plain)
 
 
-def test_gemv_refuses_more_than_one_row() -> None:
-    with pytest.raises(ValueError, match=r"x \[1, K\]"):
-        gemv(torch.randn(2, 8), torch.randn(4, 8))
+@pytest.mark.parametrize("device", [on_cpu(id="interpreter"), on_gpu(id="cuda")])
+def test_every_fp8_code_is_read_exactly(device: str) -> None:
+    """W holds each of the 254 finite E4M3 codes (subnormals, both zeros, 448); one-hot rows of x
+    pick them out one by one: each product is the code's value times its row scale, exactly."""
+    codes = torch.arange(256, dtype=torch.uint8).view(2, 128).clone()
+    codes[codes & 0x7F == 0x7F] = 0  # the two NaN codes
+    weight = codes.view(torch.float8_e4m3fn).to(device)
+    scale = torch.tensor([0.5, 3.0], device=device)
+    expected = weight.float() * scale[:, None]  # [2, 128]: what row n gives for x = e_j
+    for first in range(0, 128, MAX_ROWS):
+        x = torch.eye(128, device=device)[first : first + MAX_ROWS]
+        assert torch.equal(gemv(x, weight, weight_scale=scale), expected[:, first : first + MAX_ROWS].T)
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-def test_linear_dispatch_gives_torch_result(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One row goes through the kernel, several through torch: both equal F.linear."""
+def test_gemv_refuses_bad_shapes_and_scales() -> None:
+    with pytest.raises(ValueError, match=r"x \[M <= 8, K\]"):
+        gemv(torch.randn(MAX_ROWS + 1, 8), torch.randn(4, 8))
+    with pytest.raises(ValueError, match="x \\[M <= 8, K\\]"):
+        gemv(torch.randn(2, 6), torch.randn(4, 8))
+    weight, scale = fp8_rows(torch.randn(4, 8))
+    with pytest.raises(ValueError, match="FP8 weights need a float32 weight_scale"):
+        gemv(torch.randn(1, 8), weight)
+    with pytest.raises(ValueError, match="only FP8 weights take one"):
+        gemv(torch.randn(1, 8), torch.randn(4, 8), weight_scale=scale)
+    with pytest.raises(ValueError, match=r"weight_scale must be float32 \[4\]"):
+        gemv(torch.randn(1, 8), weight, weight_scale=scale[:3])
+
+
+@pytest.mark.parametrize("rows,fp8", [(1, False), (3, False), (3, True), (FP8_KERNEL_ROWS + 1, True)])
+def test_linear_dispatch_gives_torch_result(rows: int, fp8: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to KERNEL_ROWS rows go through the kernel (FP8 weights: up to FP8_KERNEL_ROWS), more
+    through torch (FP8 weights dequantized for the call): all equal F.linear on the real weight."""
     import tokenmill.kernels.gemv as kernel
 
     calls = []
-    monkeypatch.setattr(kernel, "gemv", lambda *args: calls.append(1) or gemv(*args))
+    monkeypatch.setattr(kernel, "gemv", lambda *args, **kwargs: calls.append(1) or gemv(*args, **kwargs))
     torch.manual_seed(1)
     layer = Linear(40, 24, bias=True, one_row_kernel=True)
+    if fp8:
+        layer.quantize_fp8_()
     x = torch.randn(rows, 40)
-    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-    assert len(calls) == (rows == 1)
+    expected = torch.nn.functional.linear(x, layer.dequantized_weight(), layer.bias)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+    assert len(calls) == (rows <= (FP8_KERNEL_ROWS if fp8 else KERNEL_ROWS))

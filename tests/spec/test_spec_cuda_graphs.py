@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.runner import model_runner
 from tokenmill.runner.cuda_graphs import StepGraphs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -52,6 +53,13 @@ def graph_runs(monkeypatch: pytest.MonkeyPatch) -> Counter:
         return original(self, *args)
 
     monkeypatch.setattr(StepGraphs, "run", counting)
+    original_pad = model_runner.pad_to_query_len
+
+    def counting_pad(*args):
+        runs["padded"] += 1
+        return original_pad(*args)
+
+    monkeypatch.setattr(model_runner, "pad_to_query_len", counting_pad)
     return runs
 
 
@@ -63,6 +71,18 @@ def test_draft_model_under_graphs_is_exact(model_dir: Path, reference, graph_run
     # computes two new tokens (last draft + bonus) as often as one.
     assert llm.engine.spec_stats.mean_acceptance_length > 4.0
     assert graph_runs["verify"] > 0 and graph_runs["draft decode"] > 0 and graph_runs["draft catch-up"] > 0
+    assert graph_runs["padded"] > 0  # the last proposals before max_tokens have fewer than gamma drafts
+
+
+def test_fp8_draft_under_graphs_is_exact(model_dir: Path, reference, graph_runs: Counter) -> None:
+    """The target quantized to FP8 weights as its own draft: the few-row kernel reads FP8 in the
+    draft's decode and catch-up graphs; output unchanged, most drafts accepted."""
+    tokens, llm = generate(model_dir, speculative_config={"method": "draft_model", "model": str(model_dir),
+                                                          "num_speculative_tokens": 4, "quantization": "fp8"})
+    assert tokens == reference
+    assert llm.engine.proposer.draft.model.lm_head.weight.dtype == torch.float8_e4m3fn
+    assert llm.engine.spec_stats.mean_acceptance_length > 3.0
+    assert graph_runs["draft decode"] > 0 and graph_runs["draft catch-up"] > 0
 
 
 def test_ngram_under_graphs_is_exact(model_dir: Path, reference, graph_runs: Counter) -> None:
@@ -70,3 +90,6 @@ def test_ngram_under_graphs_is_exact(model_dir: Path, reference, graph_runs: Cou
     assert tokens == reference
     assert llm.engine.spec_stats.num_drafts > 0
     assert graph_runs["decode"] > 0
+    # Requests with fewer drafts than gamma (shorter matches, the last tokens before max_tokens)
+    # or none beside ones with drafts: padded into the verify graph, never eager.
+    assert graph_runs["padded"] > 0 and graph_runs["verify"] >= graph_runs["padded"]

@@ -87,6 +87,19 @@ def test_draft_model_keeps_greedy_output(draft_dir: Path, reference: list[list[i
     assert stats.kv_blocks_used == 0
 
 
+def test_fp8_quantized_draft_keeps_greedy_output(reference: list[list[int]]) -> None:
+    """The target's own checkpoint as draft, quantized at load to FP8 weights (one scale per row):
+    output unchanged and most drafts accepted."""
+    llm = spec_llm(method="draft_model", model=str(resolve_model(None).path), num_speculative_tokens=4,
+                   draft_sampling="greedy", quantization="fp8")
+    draft = llm.engine.proposer.draft.model
+    assert draft.lm_head.weight.dtype == draft.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    assert greedy(llm) == reference
+    length = llm.engine.spec_stats.mean_acceptance_length
+    print(f"draft model (SmolLM2 quantized to FP8 at load): mean acceptance length {length:.2f}")
+    assert 3.5 < length <= 5.0
+
+
 @pytest.mark.parametrize("draft_sampling", ["greedy", "probabilistic"])
 def test_penalties_and_min_tokens_see_every_draft(draft_dir: Path, plain: LLM, draft_sampling: str) -> None:
     """Penalties count the drafts before each position (the proposer keeps them on the host for

@@ -1,13 +1,22 @@
-"""One-row matmul for batch-1 decode: y = x @ W.T (+ b) with x [1, K] and a row-major W [N, K].
+"""Few-row matmul for decode: y = x @ (W * scale).T (+ b), x [M, K] with M <= MAX_ROWS, a row-major
+W [N, K] in the activations' float type or FP8 E4M3 with one scale per output row.
 
-A batch-1 linear layer is a pure stream over W's bytes. Each program owns BLOCK_N rows of W
-and walks K in BLOCK_K strips, keeping an fp32 partial sum per (row, lane) and reducing across
-lanes once at the end, so the loop body is loads and FMAs only. No split-K: every projection of
-interest has N >= 2048, enough programs to fill the machine without atomics or a second pass.
+A decode step at batch 1 (and the few rows of a verify or catch-up step) is a pure stream over
+W's bytes. Each program owns BLOCK_N rows of W and walks K in BLOCK_K strips, loading each strip
+once and multiplying it into one fp32 partial sum per (x row, W row, lane), reducing across lanes
+once at the end, so the loop body is loads and FMAs only. The rows of x each keep their own
+accumulator (separate variables, so W's registers are shared, never re-laid out per row). No
+split-K: every projection of interest has N >= 2048, enough programs to fill the machine without
+atomics or a second pass.
 
 On an H200 this beats cuBLAS at M = 1 by 2-16% per Llama-3.1-8B / 3.2-1B projection (measured in
-benchmarks/decode_profile.py; cuBLAS also adds split-K reduce kernels). At M = 5 (a verify
-step) a tl.dot variant that streams W once measured no better than cuBLAS, so only M = 1 is here.
+benchmarks/decode_profile.py; cuBLAS also adds split-K reduce kernels). FP8 weights (a quantized
+draft) halve the bytes; they are widened to fp32 in registers (bound by the conversions: 1.25-1.6x
+faster than bf16 weights at M = 1, not 2x; building the float32 bits with integer shifts instead was
+slower), and the row's scale multiplies the sum (weight-only: x is never quantized). With more
+rows of x the loop holds more accumulators and fewer programs fit each multiprocessor: the
+kernel is slower than cuBLAS from M = 2 for most shapes, so unquantized weights use it at M = 1
+only (benchmarks/RESULTS.md, 2026-12-01).
 
 On sm_90 and later it is launched as a programmatic dependent of the kernel before it (which
 calls `launch_next` as it starts): its programs become resident while that kernel runs and read
@@ -25,7 +34,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from tokenmill.kernels._common import dependent_launch, interpreting
+from tokenmill.kernels._common import FP8_DTYPE, dependent_launch, interpreting
+
+MAX_ROWS = 8  # rows of x one launch takes: a separate accumulator each
 
 
 @dataclass(frozen=True)
@@ -36,19 +47,28 @@ class GemvTile:
     num_stages: int
 
 
-def gemv_tile(n: int, k: int) -> GemvTile:
-    """The best tile the H200 sweep found per projection shape, generalised by size."""
+def gemv_tile(n: int, k: int, rows: int = 1, fp8: bool = False) -> GemvTile:
+    """The best one-row tile the H200 sweep found per projection shape, generalised by size; with
+    more rows, strips shrink so that the accumulators (rows x block_n x block_k fp32 over the
+    threads) stay within ~64 registers a thread."""
     if interpreting():
         return GemvTile(4, 32, 1, 1)
-    if n >= 16384:  # gate_up, lm_head: plenty of programs; short strips keep loads in flight
-        return GemvTile(8 if k <= 2048 else 16, 256, 4, 4)
-    if k >= 8192 and n >= 4096:  # down_proj: long rows, more programs
-        return GemvTile(4, 512, 4, 4)
-    if k <= 2048 or n < 4096:  # small (draft) models
-        return GemvTile(8, 1024, 8, 3)
-    if n >= 6144:  # qkv_proj
-        return GemvTile(16, 512, 8, 4)
-    return GemvTile(8, 512, 4, 3)  # o_proj
+    if n >= 16384 and fp8 and k <= 2048:  # a draft's FP8 gate_up and head: more rows per program
+        tile = GemvTile(32, 256, 8, 3)
+    elif n >= 16384:  # gate_up, lm_head: plenty of programs; short strips keep loads in flight
+        tile = GemvTile(8 if k <= 2048 else 16, 256, 4, 4)
+    elif k >= 8192 and n >= 4096:  # down_proj: long rows, more programs
+        tile = GemvTile(4, 512, 4, 4)
+    elif k <= 2048 or n < 4096:  # small (draft) models
+        tile = GemvTile(8, 1024, 8, 3)
+    elif n >= 6144:  # qkv_proj
+        tile = GemvTile(16, 512, 8, 4)
+    else:
+        tile = GemvTile(8, 512, 4, 3)  # o_proj
+    block_k = tile.block_k
+    while rows > 1 and block_k > 64 and rows * tile.block_n * block_k > 64 * 32 * tile.num_warps:
+        block_k //= 2
+    return GemvTile(tile.block_n, block_k, tile.num_warps, tile.num_stages)
 
 
 @triton.jit
@@ -59,41 +79,83 @@ def _w_strip(w_ptrs, k0, offs_k, n_ok, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _x_strip(x_ptr, k0, offs_k, K, EVEN_K: tl.constexpr):
-    if EVEN_K:
-        return tl.load(x_ptr + k0 + offs_k)
-    return tl.load(x_ptr + k0 + offs_k, mask=k0 + offs_k < K, other=0.0)
+def _accumulate(acc, w, x_row_ptr, k0, offs_k, K, EVEN_K: tl.constexpr, USED: tl.constexpr):
+    """acc + w * x[k0 : k0 + BLOCK_K] of one row of x (w already float32); acc unchanged for a row past M."""
+    if USED:
+        if EVEN_K:
+            x = tl.load(x_row_ptr + k0 + offs_k)
+        else:
+            x = tl.load(x_row_ptr + k0 + offs_k, mask=k0 + offs_k < K, other=0.0)
+        acc = acc + w * x.to(tl.float32)[None, :]
+    return acc
 
 
 @triton.jit
-def _fma(acc, w, x):
-    return acc + w.to(tl.float32) * x.to(tl.float32)[None, :]
+def _store_row(acc, y_row_ptr, offs_n, n_ok, scale, bias, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+               USED: tl.constexpr):
+    if USED:
+        y = tl.sum(acc, 1)
+        if HAS_SCALE:
+            y = y * scale
+        if HAS_BIAS:
+            y += bias
+        tl.store(y_row_ptr + offs_n, y.to(y_row_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, y_ptr, N, K, stride_wn,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    PDL: tl.constexpr,
+    x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
+    ROWS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc4 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc5 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc6 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc7 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    k_start = 0
     if PDL:
         # Launched while the kernel before it (a norm, attention, SiLU) still runs: W never
         # depends on it, so the first strip of W is read now, x only after gdc_wait. (Reading
         # two or four strips early was slower: benchmarks/RESULTS.md, 2026-11-30 late.)
-        w = _w_strip(w_ptrs, 0, offs_k, n_ok, K, EVEN_K)
+        w = _w_strip(w_ptrs, 0, offs_k, n_ok, K, EVEN_K).to(tl.float32)
         gdc_wait()
-        acc = _fma(acc, w, _x_strip(x_ptr, 0, offs_k, K, EVEN_K))
-    for k0 in range(BLOCK_K if PDL else 0, K, BLOCK_K):
-        acc = _fma(acc, _w_strip(w_ptrs, k0, offs_k, n_ok, K, EVEN_K), _x_strip(x_ptr, k0, offs_k, K, EVEN_K))
-    y = tl.sum(acc, 1)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+        acc0 = _accumulate(acc0, w, x_ptr, 0, offs_k, K, EVEN_K, True)
+        acc1 = _accumulate(acc1, w, x_ptr + stride_xm, 0, offs_k, K, EVEN_K, ROWS > 1)
+        acc2 = _accumulate(acc2, w, x_ptr + 2 * stride_xm, 0, offs_k, K, EVEN_K, ROWS > 2)
+        acc3 = _accumulate(acc3, w, x_ptr + 3 * stride_xm, 0, offs_k, K, EVEN_K, ROWS > 3)
+        acc4 = _accumulate(acc4, w, x_ptr + 4 * stride_xm, 0, offs_k, K, EVEN_K, ROWS > 4)
+        acc5 = _accumulate(acc5, w, x_ptr + 5 * stride_xm, 0, offs_k, K, EVEN_K, ROWS > 5)
+        acc6 = _accumulate(acc6, w, x_ptr + 6 * stride_xm, 0, offs_k, K, EVEN_K, ROWS > 6)
+        acc7 = _accumulate(acc7, w, x_ptr + 7 * stride_xm, 0, offs_k, K, EVEN_K, ROWS > 7)
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
+        w = _w_strip(w_ptrs, k0, offs_k, n_ok, K, EVEN_K).to(tl.float32)
+        acc0 = _accumulate(acc0, w, x_ptr, k0, offs_k, K, EVEN_K, True)
+        acc1 = _accumulate(acc1, w, x_ptr + stride_xm, k0, offs_k, K, EVEN_K, ROWS > 1)
+        acc2 = _accumulate(acc2, w, x_ptr + 2 * stride_xm, k0, offs_k, K, EVEN_K, ROWS > 2)
+        acc3 = _accumulate(acc3, w, x_ptr + 3 * stride_xm, k0, offs_k, K, EVEN_K, ROWS > 3)
+        acc4 = _accumulate(acc4, w, x_ptr + 4 * stride_xm, k0, offs_k, K, EVEN_K, ROWS > 4)
+        acc5 = _accumulate(acc5, w, x_ptr + 5 * stride_xm, k0, offs_k, K, EVEN_K, ROWS > 5)
+        acc6 = _accumulate(acc6, w, x_ptr + 6 * stride_xm, k0, offs_k, K, EVEN_K, ROWS > 6)
+        acc7 = _accumulate(acc7, w, x_ptr + 7 * stride_xm, k0, offs_k, K, EVEN_K, ROWS > 7)
+    scale = tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0) if HAS_SCALE else 1.0
+    bias = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
+    _store_row(acc0, y_ptr, offs_n, n_ok, scale, bias, HAS_SCALE, HAS_BIAS, True)
+    _store_row(acc1, y_ptr + stride_ym, offs_n, n_ok, scale, bias, HAS_SCALE, HAS_BIAS, ROWS > 1)
+    _store_row(acc2, y_ptr + 2 * stride_ym, offs_n, n_ok, scale, bias, HAS_SCALE, HAS_BIAS, ROWS > 2)
+    _store_row(acc3, y_ptr + 3 * stride_ym, offs_n, n_ok, scale, bias, HAS_SCALE, HAS_BIAS, ROWS > 3)
+    _store_row(acc4, y_ptr + 4 * stride_ym, offs_n, n_ok, scale, bias, HAS_SCALE, HAS_BIAS, ROWS > 4)
+    _store_row(acc5, y_ptr + 5 * stride_ym, offs_n, n_ok, scale, bias, HAS_SCALE, HAS_BIAS, ROWS > 5)
+    _store_row(acc6, y_ptr + 6 * stride_ym, offs_n, n_ok, scale, bias, HAS_SCALE, HAS_BIAS, ROWS > 6)
+    _store_row(acc7, y_ptr + 7 * stride_ym, offs_n, n_ok, scale, bias, HAS_SCALE, HAS_BIAS, ROWS > 7)
 
 
 def gemv(
@@ -102,22 +164,37 @@ def gemv(
     bias: torch.Tensor | None = None,
     tile: GemvTile | None = None,
     pdl: bool | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [1, K] @ weight[N, K].T (+ bias) -> [1, N] in x's dtype. pdl (default: where the device
-    has it) launches it as a programmatic dependent of the kernel before it."""
+    """x [M, K] @ (weight [N, K] * weight_scale[:, None]).T (+ bias) -> [M, N] in x's dtype, for
+    M <= MAX_ROWS. weight_scale (float32 [N]) is required for FP8 weights and refused otherwise.
+    pdl (default: where the device has it) launches it as a programmatic dependent of the kernel
+    before it."""
     n, k = weight.shape
-    if x.shape != (1, k) or weight.stride(1) != 1 or x.stride(1) != 1:
-        raise ValueError(f"gemv takes x [1, K] and a row-major weight [N, K]; got {tuple(x.shape)}, {tuple(weight.shape)}")
-    tile = tile or gemv_tile(n, k)
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    rows = x.shape[0]
+    if x.dim() != 2 or not 1 <= rows <= MAX_ROWS or x.shape[1] != k or weight.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError(f"gemv takes x [M <= {MAX_ROWS}, K] and a row-major weight [N, K]; "
+                         f"got {tuple(x.shape)}, {tuple(weight.shape)}")
+    if (weight.dtype == FP8_DTYPE) != (weight_scale is not None):
+        raise ValueError("FP8 weights need a float32 weight_scale per output row, and only FP8 weights take one")
+    if weight_scale is not None and (weight_scale.shape != (n,) or weight_scale.dtype != torch.float32):
+        raise ValueError(f"weight_scale must be float32 [{n}], got {weight_scale.dtype} {tuple(weight_scale.shape)}")
+    tile = tile or gemv_tile(n, k, rows, weight.dtype == FP8_DTYPE)
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     pdl = dependent_launch(x.device) if pdl is None else pdl
     _gemv_kernel[(triton.cdiv(n, tile.block_n),)](
-        x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=k % tile.block_k == 0,
+        x, weight, weight_scale if weight_scale is not None else weight, bias if bias is not None else weight, y,
+        n, k, x.stride(0), weight.stride(0), y.stride(0),
+        ROWS=rows, HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, EVEN_K=k % tile.block_k == 0,
         PDL=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
     )
     return y
 
 
-def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.nn.functional.linear(x, weight, bias)
+def gemv_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The same product in float32 by torch (FP8 weights dequantized first)."""
+    w = weight.float() if weight_scale is None else weight.float() * weight_scale[:, None]
+    return torch.nn.functional.linear(x.float(), w, None if bias is None else bias.float())

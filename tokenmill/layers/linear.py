@@ -1,5 +1,10 @@
-"""Linear layers: torch's matmul, except a single row on CUDA, which streams the weight through
-tokenmill's one-row kernel (batch-1 decode is bound by reading the weights once)."""
+"""Linear layers: torch's matmul, except a few rows on CUDA, which stream the weight through
+tokenmill's few-row kernel (decode at small batch is bound by reading the weights once).
+
+A weight may be FP8 E4M3 with a float32 scale per output row (`quantize_fp8_`, weight-only:
+activations stay in the model's dtype). The kernel reads the FP8 bytes; elsewhere (CPU, or more
+rows than the kernel takes) the weight is dequantized for the call.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +12,57 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+FP8_E4M3 = torch.float8_e4m3fn
+KERNEL_ROWS = 1
+"""Most rows of x the kernel takes for an unquantized weight; above it torch's matmul (cuBLAS)."""
+FP8_KERNEL_ROWS = 8
+"""Most rows for an FP8 weight (the kernel's limit); above it, dequantize and matmul."""
+
 
 class Linear(nn.Linear):
+    weight_scale: torch.Tensor | None
+    """float32 [out_features] when the weight is FP8: row n of the real weight = weight[n] * weight_scale[n]."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, one_row_kernel: bool = False, **kwargs) -> None:
-        """one_row_kernel: use the Triton kernel for [1, K] inputs (CUDA models only)."""
+        """one_row_kernel: use the Triton kernel for inputs of up to KERNEL_ROWS rows (CUDA models only)."""
         super().__init__(in_features, out_features, bias=bias, **kwargs)
         self.one_row_kernel = one_row_kernel
+        self.register_buffer("weight_scale", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.one_row_kernel and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous():
+        rows = FP8_KERNEL_ROWS if self.weight_scale is not None else KERNEL_ROWS
+        if self.one_row_kernel and x.dim() == 2 and x.shape[0] <= rows and x.is_contiguous():
             from tokenmill.kernels.gemv import gemv
 
-            return gemv(x, self.weight, self.bias)
+            return gemv(x, self.weight, self.bias, weight_scale=self.weight_scale)
+        if self.weight_scale is not None:
+            return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight as float32 (an FP8 weight times its row scales)."""
+        if self.weight_scale is None:
+            return self.weight.float()
+        return self.weight.float() * self.weight_scale[:, None]
+
+    @torch.no_grad()
+    def quantize_fp8_(self) -> None:
+        """Store the weight as FP8 E4M3, each output row scaled so its largest magnitude is 448.
+        A weight shared with another module (a tied head) is copied, never quantized in place."""
+        if self.weight_scale is not None:
+            return
+        w = self.weight.detach().float()
+        largest = torch.finfo(FP8_E4M3).max
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / largest
+        quantized = (w / scale[:, None]).clamp(-largest, largest).to(FP8_E4M3)
+        self.weight = nn.Parameter(quantized, requires_grad=False)
+        self.weight_scale = scale
+
+
+def quantize_fp8_(model: nn.Module) -> int:
+    """Every Linear of the model to FP8 weights (weight-only, one scale per output row; embeddings
+    and norms keep their dtype). Returns the number of layers quantized."""
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    for layer in layers:
+        layer.quantize_fp8_()
+    return len(layers)

@@ -7,24 +7,39 @@ the bucket. Padding requests write their KV into a scratch block that no request
 attend to it alone. Attention's launch plan (how many KV splits) depends on the longest
 context, so each batch bucket is captured for a few context buckets too: a short context does
 not pay for the splits and merge of the longest one.
+
+A step whose requests add different numbers of tokens, every one sampled (drafts of different
+lengths, a request whose max_tokens leaves room for fewer than gamma), replays the verify graph
+too: `pad_to_query_len` puts each request's missing rows in front of its real ones, where the
+attention kernels place them at the positions just before (tokens already in the cache, read,
+never written: their KV goes to the scratch block), so the real rows see exactly what they see
+unpadded.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.runner.batch import to_device
 
 logger = logging.getLogger(__name__)
 
 CONTEXT_BUCKETS = (256, 1024, 4096)
 # Verify steps are captured up to this many tokens per step (vLLM's default capture limit).
 MAX_CAPTURED_TOKENS = 512
+
+
+# A padded step may cost this many tokens whatever its real count: on an H200 an 8B-shape step
+# of 80 tokens takes 1.09x a one-token step (benchmarks/RESULTS.md), while an eager step pays
+# the host's launches.
+PADDING_FREE_TOKENS = 128
 
 
 def context_buckets(max_model_len: int) -> list[int]:
@@ -77,6 +92,16 @@ class StepGraphs:
     def fits(self, num_requests: int, query_len: int) -> bool:
         """Whether a uniform step of num_requests requests adding query_len tokens each replays here."""
         return query_len == self.query_len and num_requests <= self.max_batch
+
+    def fits_padded(self, metadata: AttentionMetadata) -> bool:
+        """Whether a step of every-row-sampled requests adding different numbers of tokens replays
+        here padded to query_len, at a padded size worth it."""
+        padded = metadata.num_requests * self.query_len
+        return (
+            metadata.num_requests <= self.max_batch
+            and max(metadata.query_lens_host) <= self.query_len <= min(metadata.seq_lens_host)
+            and padded <= max(PADDING_FREE_TOKENS, 2 * sum(metadata.query_lens_host))
+        )
 
     def _metadata(self, batch: int, context: int) -> AttentionMetadata:
         # Host lengths are the bucket's largest, so any launch shape derived from them (e.g. the
@@ -132,3 +157,51 @@ class StepGraphs:
             self.block_tables[batch:bucket].fill_(self.scratch_block)
         self.graphs[bucket, context].replay()
         return self.logits[bucket, context][:tokens]
+
+
+@dataclass
+class PaddedStep:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata  # every request adds query_len tokens
+    real_rows: torch.Tensor  # the padded rows that are the step's own, in the unpadded order
+
+
+def pad_to_query_len(
+    input_ids: torch.Tensor, metadata: AttentionMetadata, query_len: int, scratch_slot: int
+) -> PaddedStep:
+    """The step with each request's rows padded at the front to query_len. Request b's pad rows
+    sit at positions seq_len_b - query_len .. (needs seq_len_b >= query_len) and write their KV
+    into scratch_slot; their logits are not in real_rows."""
+    source: list[int] = []  # per padded row, its row in the unpadded step; -1 for padding
+    positions: list[int] = []
+    real_rows: list[int] = []
+    start = 0
+    for b, (rows, seq_len) in enumerate(zip(metadata.query_lens_host, metadata.seq_lens_host)):
+        pad = query_len - rows
+        if pad < 0 or seq_len < query_len:
+            raise ValueError(f"request {b} cannot be padded to {query_len} rows ({rows} rows, {seq_len} tokens)")
+        source += [-1] * pad + list(range(start, start + rows))
+        positions += range(seq_len - query_len, seq_len)
+        real_rows += range(b * query_len + pad, (b + 1) * query_len)
+        start += rows
+    padded = len(source)
+    uploaded = to_device(source + positions + real_rows, torch.int64, input_ids.device)
+    source_rows = uploaded[:padded]
+    is_real = source_rows >= 0
+    source_rows = source_rows.clamp(min=0)
+    batch = metadata.num_requests
+    return PaddedStep(
+        input_ids=torch.where(is_real, input_ids[source_rows], 0),
+        positions=uploaded[padded : 2 * padded],
+        metadata=AttentionMetadata(
+            query_start_loc=torch.arange(0, (batch + 1) * query_len, query_len, dtype=torch.int32,
+                                         device=input_ids.device),
+            seq_lens=metadata.seq_lens,
+            block_tables=metadata.block_tables,
+            slot_mapping=torch.where(is_real, metadata.slot_mapping[source_rows], scratch_slot),
+            query_lens_host=[query_len] * batch,
+            seq_lens_host=metadata.seq_lens_host,
+        ),
+        real_rows=uploaded[2 * padded :],
+    )

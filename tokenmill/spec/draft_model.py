@@ -21,7 +21,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.request import Drafts, Request
 from tokenmill.errors import ConfigError
 from tokenmill.layers.attention import ATTENTION_BACKENDS, AttentionMetadata
-from tokenmill.layers.linear import Linear
+from tokenmill.layers.linear import Linear, quantize_fp8_
 from tokenmill.layers.sampler import SamplingMetadata, SamplingRow, processed_probs, row_argmax
 from tokenmill.models.llama import head_dim_of
 from tokenmill.models.loader import iter_weights, load_hf_config, resolve_model
@@ -66,6 +66,8 @@ class DraftModel:
         self.vocab_ids: torch.Tensor | None = None
         if spec.draft_vocab:
             self._restrict_head(load_draft_vocab(spec.draft_vocab))
+        if spec.quantization == "fp8":
+            quantize_fp8_(self.model)
 
     def _restrict_head(self, ids: torch.Tensor) -> None:
         """Keep only the head rows of the draft vocabulary: row j of the head drafts token ids[j]."""

@@ -1,0 +1,38 @@
+"""--speculative-config: vLLM's keys, and a clear error for each thing the engine cannot honour."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.config import SpeculativeConfig
+from tokenmill.errors import ConfigError
+
+
+def test_json_keys_become_fields() -> None:
+    spec = SpeculativeConfig.from_json('{"method": "draft_model", "model": "d", "num_speculative_tokens": 3, '
+                                       '"quantization": "fp8", "draft_kv_cache_dtype": "fp8"}')
+    spec.check()
+    assert (spec.method, spec.model, spec.num_speculative_tokens, spec.quantization) == ("draft_model", "d", 3, "fp8")
+    assert SpeculativeConfig.from_json(None).method is None
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("{not json", "not valid JSON"),
+        ('{"method": "ngram", "gamma": 4}', r"unknown keys \['gamma'\]"),
+        ('{"method": "eagle"}', "speculative method 'eagle' is unknown"),
+        ('{"method": "draft_model"}', 'needs "model"'),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', r"in 1\.\.16"),
+        ('{"method": "ngram", "verification": "tree"}', "must be token or block"),
+        ('{"method": "ngram", "verification": "benchmark_accept_all"}', "benchmark-only mode"),
+        ('{"method": "ngram", "draft_sampling": "beam"}', "probabilistic or greedy"),
+        ('{"method": "draft_model", "model": "d", "draft_kv_cache_dtype": "int8"}', "auto or fp8"),
+        ('{"method": "draft_model", "model": "d", "quantization": "nvfp4"}', "quantization must be fp8"),
+        ('{"method": "ngram", "quantization": "fp8"}', "the ngram method has none"),
+        ('{"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min <= prompt_lookup_max"),
+    ],
+)
+def test_what_cannot_be_honoured_is_refused(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        SpeculativeConfig.from_json(text).check()
