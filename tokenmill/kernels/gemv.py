@@ -91,6 +91,21 @@ def _accumulate(acc, w, x_row_ptr, k0, offs_k, K, EVEN_K: tl.constexpr, USED: tl
 
 
 @triton.jit
+def _accumulate_rows(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, x_ptr, stride_xm, k0, offs_k, K,
+                     EVEN_K: tl.constexpr, ROWS: tl.constexpr):
+    """Each of the first ROWS accumulators plus w times its row of x at strip k0."""
+    acc0 = _accumulate(acc0, w, x_ptr, k0, offs_k, K, EVEN_K, True)
+    acc1 = _accumulate(acc1, w, x_ptr + stride_xm, k0, offs_k, K, EVEN_K, ROWS > 1)
+    acc2 = _accumulate(acc2, w, x_ptr + 2 * stride_xm, k0, offs_k, K, EVEN_K, ROWS > 2)
+    acc3 = _accumulate(acc3, w, x_ptr + 3 * stride_xm, k0, offs_k, K, EVEN_K, ROWS > 3)
+    acc4 = _accumulate(acc4, w, x_ptr + 4 * stride_xm, k0, offs_k, K, EVEN_K, ROWS > 4)
+    acc5 = _accumulate(acc5, w, x_ptr + 5 * stride_xm, k0, offs_k, K, EVEN_K, ROWS > 5)
+    acc6 = _accumulate(acc6, w, x_ptr + 6 * stride_xm, k0, offs_k, K, EVEN_K, ROWS > 6)
+    acc7 = _accumulate(acc7, w, x_ptr + 7 * stride_xm, k0, offs_k, K, EVEN_K, ROWS > 7)
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@triton.jit
 def _store_row(acc, y_row_ptr, offs_n, n_ok, scale, bias, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                USED: tl.constexpr):
     if USED:
@@ -113,13 +128,7 @@ def _gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc3 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc4 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc5 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc6 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc7 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
     k_start = 0
     if PDL:
         # Launched while the kernel before it (a norm, attention, SiLU) still runs: W never
@@ -127,25 +136,13 @@ def _gemv_kernel(
         # two or four strips early was slower: benchmarks/RESULTS.md, 2026-11-30 late.)
         w = _w_strip(w_ptrs, 0, offs_k, n_ok, K, EVEN_K).to(tl.float32)
         gdc_wait()
-        acc0 = _accumulate(acc0, w, x_ptr, 0, offs_k, K, EVEN_K, True)
-        acc1 = _accumulate(acc1, w, x_ptr + stride_xm, 0, offs_k, K, EVEN_K, ROWS > 1)
-        acc2 = _accumulate(acc2, w, x_ptr + 2 * stride_xm, 0, offs_k, K, EVEN_K, ROWS > 2)
-        acc3 = _accumulate(acc3, w, x_ptr + 3 * stride_xm, 0, offs_k, K, EVEN_K, ROWS > 3)
-        acc4 = _accumulate(acc4, w, x_ptr + 4 * stride_xm, 0, offs_k, K, EVEN_K, ROWS > 4)
-        acc5 = _accumulate(acc5, w, x_ptr + 5 * stride_xm, 0, offs_k, K, EVEN_K, ROWS > 5)
-        acc6 = _accumulate(acc6, w, x_ptr + 6 * stride_xm, 0, offs_k, K, EVEN_K, ROWS > 6)
-        acc7 = _accumulate(acc7, w, x_ptr + 7 * stride_xm, 0, offs_k, K, EVEN_K, ROWS > 7)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _accumulate_rows(
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, x_ptr, stride_xm, 0, offs_k, K, EVEN_K, ROWS)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         w = _w_strip(w_ptrs, k0, offs_k, n_ok, K, EVEN_K).to(tl.float32)
-        acc0 = _accumulate(acc0, w, x_ptr, k0, offs_k, K, EVEN_K, True)
-        acc1 = _accumulate(acc1, w, x_ptr + stride_xm, k0, offs_k, K, EVEN_K, ROWS > 1)
-        acc2 = _accumulate(acc2, w, x_ptr + 2 * stride_xm, k0, offs_k, K, EVEN_K, ROWS > 2)
-        acc3 = _accumulate(acc3, w, x_ptr + 3 * stride_xm, k0, offs_k, K, EVEN_K, ROWS > 3)
-        acc4 = _accumulate(acc4, w, x_ptr + 4 * stride_xm, k0, offs_k, K, EVEN_K, ROWS > 4)
-        acc5 = _accumulate(acc5, w, x_ptr + 5 * stride_xm, k0, offs_k, K, EVEN_K, ROWS > 5)
-        acc6 = _accumulate(acc6, w, x_ptr + 6 * stride_xm, k0, offs_k, K, EVEN_K, ROWS > 6)
-        acc7 = _accumulate(acc7, w, x_ptr + 7 * stride_xm, k0, offs_k, K, EVEN_K, ROWS > 7)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _accumulate_rows(
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, x_ptr, stride_xm, k0, offs_k, K, EVEN_K, ROWS)
     scale = tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0) if HAS_SCALE else 1.0
     bias = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
     _store_row(acc0, y_ptr, offs_n, n_ok, scale, bias, HAS_SCALE, HAS_BIAS, True)
