@@ -153,7 +153,7 @@ def test_linear_dispatch_gives_torch_result(rows: int, fp8: bool, monkeypatch: p
     calls = []
     monkeypatch.setattr(kernel, "gemv", lambda *args, **kwargs: calls.append(1) or gemv(*args, **kwargs))
     torch.manual_seed(1)
-    layer = Linear(40, 24, bias=True, one_row_kernel=True)
+    layer = Linear(40, 24, bias=True, few_row_kernel=True)
     if fp8:
         layer.quantize_fp8_()
     x = torch.randn(rows, 40)

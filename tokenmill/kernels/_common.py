@@ -50,7 +50,7 @@ def dependent_launch(device: torch.device) -> bool:
 
 @triton.jit
 def launch_next(ENABLED: tl.constexpr):
-    """Let the next kernel, if launched as a programmatic dependent (the one-row matmul after a
+    """Let the next kernel, if launched as a programmatic dependent (the few-row matmul after a
     norm, attention or SiLU), start now: it reads only weights until it waits for this one."""
     if ENABLED:
         gdc_launch_dependents()

@@ -23,15 +23,16 @@ class Linear(nn.Linear):
     weight_scale: torch.Tensor | None
     """float32 [out_features] when the weight is FP8: row n of the real weight = weight[n] * weight_scale[n]."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, one_row_kernel: bool = False, **kwargs) -> None:
-        """one_row_kernel: use the Triton kernel for inputs of up to KERNEL_ROWS rows (CUDA models only)."""
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, few_row_kernel: bool = False, **kwargs) -> None:
+        """few_row_kernel: use the Triton kernel for inputs of up to KERNEL_ROWS rows (FP8 weights:
+        FP8_KERNEL_ROWS); CUDA models only."""
         super().__init__(in_features, out_features, bias=bias, **kwargs)
-        self.one_row_kernel = one_row_kernel
+        self.few_row_kernel = few_row_kernel
         self.register_buffer("weight_scale", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = FP8_KERNEL_ROWS if self.weight_scale is not None else KERNEL_ROWS
-        if self.one_row_kernel and x.dim() == 2 and x.shape[0] <= rows and x.is_contiguous():
+        if self.few_row_kernel and x.dim() == 2 and x.shape[0] <= rows and x.is_contiguous():
             from tokenmill.kernels.gemv import gemv
 
             return gemv(x, self.weight, self.bias, weight_scale=self.weight_scale)

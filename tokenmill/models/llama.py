@@ -66,8 +66,8 @@ class Attention(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = bias if variant.qkv_bias is None else variant.qkv_bias
         o_bias = bias if variant.o_bias is None else variant.o_bias
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias, one_row_kernel=fused)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias, one_row_kernel=fused)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias, few_row_kernel=fused)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias, few_row_kernel=fused)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, fused) if variant.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, fused) if variant.qk_norm else None
         self.rotary = rotary
@@ -104,8 +104,8 @@ class MLP(nn.Module):
         self.fused = fused
         self.intermediate_size = config.intermediate_size
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias, one_row_kernel=fused)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias, one_row_kernel=fused)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias, few_row_kernel=fused)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias, few_row_kernel=fused)
 
     def shard_sizes(self) -> list[int]:
         return [self.intermediate_size, self.intermediate_size]
@@ -170,12 +170,12 @@ class LlamaForCausalLM(nn.Module):
     def __init__(
         self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int, fused_ops: bool = False
     ) -> None:
-        """fused_ops: Triton kernels for RMSNorm (+ residual), rotary, SiLU-and-mul and one-row matmuls (CUDA)."""
+        """fused_ops: Triton kernels for RMSNorm (+ residual), rotary, SiLU-and-mul and few-row matmuls (CUDA)."""
         super().__init__()
         self.config = config
         self.model = DecoderModel(config, backend, max_positions, self.variant, fused_ops)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, one_row_kernel=fused_ops)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, few_row_kernel=fused_ops)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

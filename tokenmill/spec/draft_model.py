@@ -75,7 +75,7 @@ class DraftModel:
             raise ConfigError(f"draft_vocab has ids up to {int(ids.max())} beyond the draft's vocabulary")
         head = self.model.lm_head
         rows = head.weight.detach()[ids.to(self.device)].clone()
-        self.model.lm_head = Linear(rows.shape[1], rows.shape[0], bias=False, one_row_kernel=self.device.type == "cuda",
+        self.model.lm_head = Linear(rows.shape[1], rows.shape[0], bias=False, few_row_kernel=self.device.type == "cuda",
                                     device=self.device, dtype=rows.dtype)
         self.model.lm_head.weight.data.copy_(rows)
         self.vocab_ids = ids.to(self.device)
