@@ -37,6 +37,7 @@ from gpu_bench import LLAMA_31_8B, copy_bandwidth, decode_rate, graph_time, repl
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.config import BENCHMARK_ACCEPT_ALL, BENCHMARK_ACCEPT_ALL_ENV  # noqa: E402
 from tokenmill.kernels.gemv import GemvTile, gemv, gemv_tile  # noqa: E402
+from tokenmill.layers.linear import fp8_rows  # noqa: E402
 
 L2_BYTES = 64 << 20
 PROJECTIONS = {  # name: (N, K) of Llama-3.1-8B
@@ -66,8 +67,9 @@ def bench_gemv(copy_gbs: float, rows_list: list[int], tiles: list[GemvTile]) -> 
             itemsize = 1 if fp8 else 2
             copies = max(2, -(-2 * L2_BYTES // (n * k * itemsize)))
             dense = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
-            scale = torch.full((n,), 0.02 / 448, device="cuda") if fp8 else None
-            weights = [(w / 0.02 * 448 / 4).to(torch.float8_e4m3fn) for w in dense] if fp8 else dense
+            quantized = [fp8_rows(w) for w in dense] if fp8 else []
+            weights = [w for w, _ in quantized] if fp8 else dense
+            scale = quantized[0][1] if fp8 else None  # every copy's scales are close; one serves all
             nbytes = copies * n * k * itemsize
             for m in rows_list:
                 x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
@@ -89,6 +91,7 @@ def bench_gemv(copy_gbs: float, rows_list: list[int], tiles: list[GemvTile]) -> 
                       f"  best {rate(best[0], nbytes)} [{best[1]}]", flush=True)
             dense.clear()
             weights.clear()
+            quantized.clear()
             torch.cuda.empty_cache()
 
 

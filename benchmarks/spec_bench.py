@@ -39,7 +39,7 @@ from tokenmill import LLM  # noqa: E402
 from tokenmill.config import BENCHMARK_ACCEPT_ALL, BENCHMARK_ACCEPT_ALL_ENV  # noqa: E402
 from tokenmill.runner.batch import Chunk, pack  # noqa: E402
 from tokenmill.runner.cuda_graphs import StepGraphs  # noqa: E402
-from tokenmill.runner.model_runner import BatchInputs, ModelRunner  # noqa: E402
+from tokenmill.runner.model_runner import ModelRunner  # noqa: E402
 
 LLAMA_32_1B = {
     **LLAMA_31_8B, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
@@ -65,14 +65,18 @@ def graph_step_ms(graphs: StepGraphs, batch: int, context: int, repeats: int = 2
     return 1e3 * replay_seconds(graph.replay, repeats)
 
 
-def ragged_step_ms(runner: ModelRunner, rows: int, context: int, padded: bool) -> float:
+def ragged_step_ms(runner: ModelRunner, verify: StepGraphs, rows: int, context: int, padded: bool) -> float:
     """Wall milliseconds (host launches included) of one bs=1 step adding `rows` tokens, every
     one sampled: eager, or padded into the verify graph as the runner does it."""
     table = list(range(-(-context // runner.block_size)))
     ids, positions, metadata = pack([Chunk([0] * rows, context - rows, table)], runner.block_size, runner.device)
-    inputs = BatchInputs(ids, positions, metadata, torch.arange(rows, device=runner.device), uniform_query_len=None)
     model = runner.model
-    step = (lambda: runner._logits(inputs)) if padded else (lambda: model.compute_logits(model(ids, positions, metadata)))
+
+    def step() -> torch.Tensor:
+        if padded:
+            return verify.run_padded(ids, metadata)
+        return model.compute_logits(model(ids, positions, metadata))
+
     with torch.inference_mode():
         return 1e3 * median_time(step, repeats=20)
 
@@ -118,7 +122,7 @@ def main() -> None:
                 report(f"verify step cost, bs={batch}, ctx 512: (1+{args.gamma}) / 1 token (graphs)", many / one, "x")
                 report(f"  1-token step / verify step, bs={batch}", one, f"/ {many:.3f} ms")
             for rows in range(2, args.gamma + 1) if "cost" in parts else ():
-                eager, padded = (ragged_step_ms(ngram.engine.runner, rows, 512, p) for p in (False, True))
+                eager, padded = (ragged_step_ms(ngram.engine.runner, verify, rows, 512, p) for p in (False, True))
                 report(f"step of {rows} sampled tokens, bs=1, ctx 512: eager / padded into the verify graph", eager / padded,
                        "x")
                 report(f"  eager / padded (wall, host launches included), {rows} tokens", eager, f"/ {padded:.3f} ms")

@@ -7,7 +7,7 @@ import torch
 from kernel_cases import on_cpu, on_gpu
 
 from tokenmill.kernels.gemv import MAX_ROWS, GemvTile, gemv, gemv_ref
-from tokenmill.layers.linear import FP8_KERNEL_ROWS, KERNEL_ROWS, Linear
+from tokenmill.layers.linear import KERNEL_ROWS, Linear, fp8_rows
 
 
 @pytest.mark.parametrize(
@@ -43,12 +43,6 @@ def test_gemv_tiles_agree(tile: GemvTile) -> None:
     torch.manual_seed(2)
     x, weight = torch.randn(1, 70), torch.randn(30, 70)
     torch.testing.assert_close(gemv(x, weight, tile=tile), x @ weight.T, rtol=1e-5, atol=1e-5)
-
-
-def fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight as FP8 E4M3 with a float32 scale per row."""
-    scale = weight.float().abs().amax(1) / 448.0
-    return (weight.float() / scale[:, None]).to(torch.float8_e4m3fn), scale
 
 
 @pytest.mark.parametrize(
@@ -144,9 +138,9 @@ def test_gemv_refuses_bad_shapes_and_scales() -> None:
         gemv(torch.randn(1, 8), weight, weight_scale=scale[:3])
 
 
-@pytest.mark.parametrize("rows,fp8", [(1, False), (3, False), (3, True), (FP8_KERNEL_ROWS + 1, True)])
+@pytest.mark.parametrize("rows,fp8", [(1, False), (3, False), (3, True), (MAX_ROWS + 1, True)])
 def test_linear_dispatch_gives_torch_result(rows: int, fp8: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Up to KERNEL_ROWS rows go through the kernel (FP8 weights: up to FP8_KERNEL_ROWS), more
+    """Up to KERNEL_ROWS rows go through the kernel (FP8 weights: up to MAX_ROWS), more
     through torch (FP8 weights dequantized for the call): all equal F.linear on the real weight."""
     import tokenmill.kernels.gemv as kernel
 
@@ -159,4 +153,4 @@ def test_linear_dispatch_gives_torch_result(rows: int, fp8: bool, monkeypatch: p
     x = torch.randn(rows, 40)
     expected = torch.nn.functional.linear(x, layer.dequantized_weight(), layer.bias)
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
-    assert len(calls) == (rows <= (FP8_KERNEL_ROWS if fp8 else KERNEL_ROWS))
+    assert len(calls) == (rows <= (MAX_ROWS if fp8 else KERNEL_ROWS))

@@ -10,7 +10,7 @@ from tiny_models import save_tiny_checkpoint
 from tokenmill import LLM
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.runner.batch import Chunk, pack
-from tokenmill.runner.cuda_graphs import PADDING_FREE_TOKENS, StepGraphs, pad_to_query_len
+from tokenmill.runner.cuda_graphs import PADDING_FREE_TOKENS, StepGraphs
 
 TABLES = {"a": [0, 1, 2], "b": [3, 4, 5], "c": [6, 7, 8]}
 
@@ -43,8 +43,7 @@ def test_real_rows_and_cache_equal_the_unpadded_step(llm: LLM) -> None:
         after_unpadded = [c.clone() for c in caches]
         for cache, saved in zip(caches, before):
             cache.copy_(saved)
-        scratch_slot = runner.num_blocks * runner.block_size
-        step = pad_to_query_len(ids, metadata, 5, scratch_slot)
+        step = runner.step_graphs(runner.model, 3, 5, "verify").pad(ids, metadata)  # built, never captured
         assert step.metadata.query_lens_host == [5, 5, 5] and step.input_ids.shape == (15,)
         assert step.positions.tolist() == [*range(6, 11), *range(5, 10), *range(13, 18)]
         padded = forward(llm, step.input_ids, step.positions, step.metadata)[step.real_rows]
@@ -79,9 +78,10 @@ def test_which_steps_are_padded() -> None:
     assert not graphs.fits_padded(metadata_of([1] * (many - 2) + [5, 5], [40] * many))
 
 
-def test_a_request_that_cannot_be_padded_is_refused() -> None:
+def test_a_request_that_cannot_be_padded_is_refused(llm: LLM) -> None:
+    runner = llm.engine.runner
     ids = torch.zeros(3, dtype=torch.int64)
     with pytest.raises(ValueError, match="cannot be padded to 2 rows"):
-        pad_to_query_len(ids, metadata_of([3], [10]), 2, 0)
+        runner.step_graphs(runner.model, 1, 2).pad(ids, metadata_of([3], [10]))
     with pytest.raises(ValueError, match="cannot be padded to 5 rows"):
-        pad_to_query_len(ids, metadata_of([3], [4]), 5, 0)
+        runner.step_graphs(runner.model, 1, 5).pad(ids, metadata_of([3], [4]))

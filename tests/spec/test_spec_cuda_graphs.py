@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.runner import model_runner
 from tokenmill.runner.cuda_graphs import StepGraphs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -53,13 +52,13 @@ def graph_runs(monkeypatch: pytest.MonkeyPatch) -> Counter:
         return original(self, *args)
 
     monkeypatch.setattr(StepGraphs, "run", counting)
-    original_pad = model_runner.pad_to_query_len
+    original_pad = StepGraphs.pad
 
-    def counting_pad(*args):
+    def counting_pad(self, *args):
         runs["padded"] += 1
-        return original_pad(*args)
+        return original_pad(self, *args)
 
-    monkeypatch.setattr(model_runner, "pad_to_query_len", counting_pad)
+    monkeypatch.setattr(StepGraphs, "pad", counting_pad)
     return runs
 
 

@@ -14,9 +14,8 @@ from torch import nn
 
 FP8_E4M3 = torch.float8_e4m3fn
 KERNEL_ROWS = 1
-"""Most rows of x the kernel takes for an unquantized weight; above it torch's matmul (cuBLAS)."""
-FP8_KERNEL_ROWS = 8
-"""Most rows for an FP8 weight (the kernel's limit); above it, dequantize and matmul."""
+"""Most rows of x the kernel takes for an unquantized weight; above it torch's matmul (cuBLAS).
+An FP8 weight goes through it up to the kernel's limit (gemv.MAX_ROWS), above that dequantized."""
 
 
 class Linear(nn.Linear):
@@ -25,17 +24,17 @@ class Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, few_row_kernel: bool = False, **kwargs) -> None:
         """few_row_kernel: use the Triton kernel for inputs of up to KERNEL_ROWS rows (FP8 weights:
-        FP8_KERNEL_ROWS); CUDA models only."""
+        up to the kernel's limit); CUDA models only."""
         super().__init__(in_features, out_features, bias=bias, **kwargs)
         self.few_row_kernel = few_row_kernel
         self.register_buffer("weight_scale", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = FP8_KERNEL_ROWS if self.weight_scale is not None else KERNEL_ROWS
-        if self.few_row_kernel and x.dim() == 2 and x.shape[0] <= rows and x.is_contiguous():
-            from tokenmill.kernels.gemv import gemv
+        if self.few_row_kernel and x.dim() == 2 and x.is_contiguous():
+            from tokenmill.kernels.gemv import MAX_ROWS, gemv
 
-            return gemv(x, self.weight, self.bias, weight_scale=self.weight_scale)
+            if x.shape[0] <= (MAX_ROWS if self.weight_scale is not None else KERNEL_ROWS):
+                return gemv(x, self.weight, self.bias, weight_scale=self.weight_scale)
         if self.weight_scale is not None:
             return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -52,12 +51,16 @@ class Linear(nn.Linear):
         A weight shared with another module (a tied head) is copied, never quantized in place."""
         if self.weight_scale is not None:
             return
-        w = self.weight.detach().float()
-        largest = torch.finfo(FP8_E4M3).max
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / largest
-        quantized = (w / scale[:, None]).clamp(-largest, largest).to(FP8_E4M3)
+        quantized, self.weight_scale = fp8_rows(self.weight.detach())
         self.weight = nn.Parameter(quantized, requires_grad=False)
-        self.weight_scale = scale
+
+
+def fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight as FP8 E4M3, float32 scale per row) with each row's largest magnitude at 448."""
+    w = weight.float()
+    largest = torch.finfo(FP8_E4M3).max
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / largest
+    return (w / scale[:, None]).clamp(-largest, largest).to(FP8_E4M3), scale
 
 
 def quantize_fp8_(model: nn.Module) -> int:

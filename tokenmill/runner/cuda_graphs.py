@@ -10,7 +10,7 @@ not pay for the splits and merge of the longest one.
 
 A step whose requests add different numbers of tokens, every one sampled (drafts of different
 lengths, a request whose max_tokens leaves room for fewer than gamma), replays the verify graph
-too: `pad_to_query_len` puts each request's missing rows in front of its real ones, where the
+too: `StepGraphs.pad` puts each request's missing rows in front of its real ones, where the
 attention kernels place them at the positions just before (tokens already in the cache, read,
 never written: their KV goes to the scratch block), so the real rows see exactly what they see
 unpadded.
@@ -28,6 +28,14 @@ from tqdm.auto import tqdm
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.runner.batch import to_device
+
+
+@dataclass
+class PaddedStep:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata  # every request adds query_len tokens
+    real_rows: torch.Tensor  # the padded rows that are the step's own, in the unpadded order
 
 logger = logging.getLogger(__name__)
 
@@ -158,50 +166,45 @@ class StepGraphs:
         self.graphs[bucket, context].replay()
         return self.logits[bucket, context][:tokens]
 
+    def run_padded(self, input_ids: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """Logits of the rows of a step that `fits_padded`, in its order."""
+        step = self.pad(input_ids, metadata)
+        return self.run(step.input_ids, step.positions, step.metadata)[step.real_rows]
 
-@dataclass
-class PaddedStep:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    metadata: AttentionMetadata  # every request adds query_len tokens
-    real_rows: torch.Tensor  # the padded rows that are the step's own, in the unpadded order
+    def pad(self, input_ids: torch.Tensor, metadata: AttentionMetadata) -> PaddedStep:
+        """The step with each request's rows padded at the front to query_len. Request b's pad rows
+        sit at positions seq_len_b - query_len .. (needs seq_len_b >= query_len) and write their KV
+        into the scratch slot; their logits are not in real_rows."""
+        q = self.query_len
+        source: list[int] = []  # per padded row, its row in the unpadded step; -1 for padding
+        positions: list[int] = []
+        real_rows: list[int] = []
+        start = 0
+        for b, (rows, seq_len) in enumerate(zip(metadata.query_lens_host, metadata.seq_lens_host)):
+            pad = q - rows
+            if pad < 0 or seq_len < q:
+                raise ValueError(f"request {b} cannot be padded to {q} rows ({rows} rows, {seq_len} tokens)")
+            source += [-1] * pad + list(range(start, start + rows))
+            positions += range(seq_len - q, seq_len)
+            real_rows += range(b * q + pad, (b + 1) * q)
+            start += rows
+        padded = len(source)
+        uploaded = to_device(source + positions + real_rows, torch.int64, input_ids.device)
+        source_rows = uploaded[:padded]
+        is_real = source_rows >= 0
+        source_rows = source_rows.clamp(min=0)
+        batch = metadata.num_requests
+        return PaddedStep(
+            input_ids=torch.where(is_real, input_ids[source_rows], 0),
+            positions=uploaded[padded : 2 * padded],
+            metadata=AttentionMetadata(
+                query_start_loc=self.query_start_loc[: batch + 1],
+                seq_lens=metadata.seq_lens,
+                block_tables=metadata.block_tables,
+                slot_mapping=torch.where(is_real, metadata.slot_mapping[source_rows], self.scratch_slot),
+                query_lens_host=[q] * batch,
+                seq_lens_host=metadata.seq_lens_host,
+            ),
+            real_rows=uploaded[2 * padded :],
+        )
 
-
-def pad_to_query_len(
-    input_ids: torch.Tensor, metadata: AttentionMetadata, query_len: int, scratch_slot: int
-) -> PaddedStep:
-    """The step with each request's rows padded at the front to query_len. Request b's pad rows
-    sit at positions seq_len_b - query_len .. (needs seq_len_b >= query_len) and write their KV
-    into scratch_slot; their logits are not in real_rows."""
-    source: list[int] = []  # per padded row, its row in the unpadded step; -1 for padding
-    positions: list[int] = []
-    real_rows: list[int] = []
-    start = 0
-    for b, (rows, seq_len) in enumerate(zip(metadata.query_lens_host, metadata.seq_lens_host)):
-        pad = query_len - rows
-        if pad < 0 or seq_len < query_len:
-            raise ValueError(f"request {b} cannot be padded to {query_len} rows ({rows} rows, {seq_len} tokens)")
-        source += [-1] * pad + list(range(start, start + rows))
-        positions += range(seq_len - query_len, seq_len)
-        real_rows += range(b * query_len + pad, (b + 1) * query_len)
-        start += rows
-    padded = len(source)
-    uploaded = to_device(source + positions + real_rows, torch.int64, input_ids.device)
-    source_rows = uploaded[:padded]
-    is_real = source_rows >= 0
-    source_rows = source_rows.clamp(min=0)
-    batch = metadata.num_requests
-    return PaddedStep(
-        input_ids=torch.where(is_real, input_ids[source_rows], 0),
-        positions=uploaded[padded : 2 * padded],
-        metadata=AttentionMetadata(
-            query_start_loc=torch.arange(0, (batch + 1) * query_len, query_len, dtype=torch.int32,
-                                         device=input_ids.device),
-            seq_lens=metadata.seq_lens,
-            block_tables=metadata.block_tables,
-            slot_mapping=torch.where(is_real, metadata.slot_mapping[source_rows], scratch_slot),
-            query_lens_host=[query_len] * batch,
-            seq_lens_host=metadata.seq_lens_host,
-        ),
-        real_rows=uploaded[2 * padded :],
-    )

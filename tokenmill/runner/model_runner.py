@@ -18,7 +18,7 @@ from tokenmill.models.llama import LlamaForCausalLM, head_dim_of
 from tokenmill.models.loader import CheckpointSource, iter_weights
 from tokenmill.models.registry import model_class
 from tokenmill.runner.batch import Chunk, pack, to_device
-from tokenmill.runner.cuda_graphs import MAX_CAPTURED_TOKENS, StepGraphs, pad_to_query_len
+from tokenmill.runner.cuda_graphs import MAX_CAPTURED_TOKENS, StepGraphs
 from tokenmill.runner.kv_scales import configure_kv_scales
 from tokenmill.runner.memory import kv_cache_budget, plan_num_blocks
 from tokenmill.sampling_params import SamplingParams
@@ -287,8 +287,7 @@ class ModelRunner:
         if inputs.logits_indices.numel() == inputs.input_ids.numel():  # every row sampled: decode and verify
             for graphs in self.graphs:
                 if graphs.fits_padded(inputs.metadata):
-                    step = pad_to_query_len(inputs.input_ids, inputs.metadata, graphs.query_len, graphs.scratch_slot)
-                    return graphs.run(step.input_ids, step.positions, step.metadata)[step.real_rows]
+                    return graphs.run_padded(inputs.input_ids, inputs.metadata)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
