@@ -1,11 +1,14 @@
 """Where a batch-1 decode step's time goes, on one GPU (Llama-3.1-8B shape, random weights).
 
-    python benchmarks/decode_profile.py [--skip gemv,kernels,spec]
+    python benchmarks/decode_profile.py [--skip gemv,routes,kernels,spec]
 
   gemv     each projection of the target and the draft at M = 1, 2, 5, 8 rows (--gemv-rows):
-           cuBLAS (torch's linear) against tokenmill's few-row kernel with its chosen tile and
-           a few others, bf16 and (draft) FP8 weights, every weight cycled through copies
+           cuBLAS (torch's linear) against tokenmill's few-row kernels (FMA; from M = 2 also the
+           tensor-core one) with their chosen tiles and a few others (--gemv-sweep), bf16 and
+           (draft) FP8 weights, every weight cycled through copies
            larger than L2; GB/s and ratio to the copy rate.
+  routes   the captured decode step at batch 2, 4, 8, 16 (context 512): replay time with the
+           multi-row projections on the tensor-core kernel (the engine's route) and on cuBLAS.
   kernels  one captured decode step (context 128, and 32k with FP8 KV) under the profiler:
            device time per kernel family, their sum against the replay's wall time (the
            gaps between kernels), and the engine's tok/s against the bare replay rate (what
@@ -36,7 +39,8 @@ from gpu_bench import LLAMA_31_8B, copy_bandwidth, decode_rate, graph_time, repl
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.config import BENCHMARK_ACCEPT_ALL, BENCHMARK_ACCEPT_ALL_ENV  # noqa: E402
-from tokenmill.kernels.gemv import GemvTile, gemv, gemv_tile  # noqa: E402
+from tokenmill.kernels.few_row_mma import few_row_mma, few_row_mma_tile  # noqa: E402
+from tokenmill.kernels.gemv import MAX_ROWS, GemvTile, gemv, gemv_tile  # noqa: E402
 from tokenmill.layers.linear import fp8_rows  # noqa: E402
 
 L2_BYTES = 64 << 20
@@ -50,12 +54,16 @@ ROW_TILES = [GemvTile(n, k, w, s) for n, k, w, s in ((2, 256, 4, 4), (4, 256, 4,
 TILES = [GemvTile(n, k, w, s) for n, k, w, s in (
     (4, 512, 4, 4), (8, 256, 4, 4), (8, 512, 4, 3), (8, 512, 4, 4), (8, 512, 8, 4), (8, 1024, 8, 3),
     (16, 256, 4, 4), (16, 512, 8, 3), (16, 512, 8, 4), (32, 256, 8, 3))]
+MMA_TILES = [GemvTile(n, k, w, s) for n, k, w, s in (
+    (16, 128, 4, 4), (16, 256, 4, 3), (16, 256, 4, 6), (16, 512, 4, 3), (32, 128, 4, 6), (32, 256, 4, 3),
+    (32, 256, 8, 4), (64, 128, 4, 4), (64, 256, 4, 3), (64, 128, 8, 6), (16, 512, 4, 4), (16, 128, 4, 8))]
 
 
-def bench_gemv(copy_gbs: float, rows_list: list[int], tiles: list[GemvTile]) -> None:
-    """Per projection and rows of x: cuBLAS (bf16) against the few-row kernel (chosen tile, then
-    the best of a few others) with bf16 and, for the draft's projections, FP8 weights; weight
-    bytes per second and the ratio to the copy rate."""
+def bench_gemv(copy_gbs: float, rows_list: list[int], tiles: list[GemvTile], mma_tiles: list[GemvTile]) -> None:
+    """Per projection and rows of x: cuBLAS (bf16) against the few-row FMA kernel (gemv) and,
+    from M = 2, the tensor-core one (few_row_mma), each with its chosen tile and the best of a
+    few others, with bf16 and, for the draft's projections, FP8 weights; weight bytes per second
+    and the ratio to the copy rate."""
 
     def rate(seconds: float, nbytes: int) -> str:
         return f"{nbytes / seconds / 1e9:6.0f} GB/s ({nbytes / seconds / 1e9 / copy_gbs:4.0%})"
@@ -75,20 +83,27 @@ def bench_gemv(copy_gbs: float, rows_list: list[int], tiles: list[GemvTile]) -> 
                 x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
                 ref = F.linear(x.float(), weights[0].float() * (1 if scale is None else scale[:, None]))
                 cublas = graph_time(lambda d=dense: [F.linear(x, w) for w in d])
-                results = {}
-                for tile in [gemv_tile(n, k, m, fp8), *(tiles if m == 1 else ROW_TILES)]:
-                    err = (gemv(x, weights[0], tile=tile, weight_scale=scale).float() - ref).abs().max().item()
-                    key = f"n{tile.block_n} k{tile.block_k} w{tile.num_warps} s{tile.num_stages}"
-                    if err > 2e-2 * ref.abs().max().item():
-                        print(f"  {name} M={m} {key}: WRONG (max error {err:.3g})")
-                        continue
-                    results.setdefault(key, graph_time(
-                        lambda t=tile, ws=weights: [gemv(x, w, tile=t, weight_scale=scale) for w in ws]))
-                chosen = next(iter(results.values()))
-                best = min((v, key) for key, v in results.items())
-                print(f"{name:<14}{' fp8' if fp8 else '    '} M={m}  cublas bf16 {rate(cublas, copies * n * k * 2)}"
-                      f"  chosen {rate(chosen, nbytes)} {chosen / cublas:5.2f}x of cublas time"
-                      f"  best {rate(best[0], nbytes)} [{best[1]}]", flush=True)
+                line = f"{name:<14}{' fp8' if fp8 else '    '} M={m}  cublas bf16 {rate(cublas, copies * n * k * 2)}"
+                kernels = []
+                if m <= MAX_ROWS:
+                    kernels.append(("fma", gemv, [gemv_tile(n, k, m, fp8), *(tiles if m == 1 else ROW_TILES)]))
+                if m > 1:
+                    kernels.append(("mma", few_row_mma, [few_row_mma_tile(n, k), *mma_tiles]))
+                for label, kernel, candidates in kernels:
+                    results = {}
+                    for tile in candidates:
+                        key = f"n{tile.block_n} k{tile.block_k} w{tile.num_warps} s{tile.num_stages}"
+                        err = (kernel(x, weights[0], tile=tile, weight_scale=scale).float() - ref).abs().max().item()
+                        if err > 2e-2 * ref.abs().max().item():
+                            print(f"  {name} M={m} {label} {key}: WRONG (max error {err:.3g})")
+                            continue
+                        results.setdefault(key, graph_time(
+                            lambda t=tile, ws=weights, f=kernel: [f(x, w, tile=t, weight_scale=scale) for w in ws]))
+                    chosen = next(iter(results.values()))
+                    best = min((v, key) for key, v in results.items())
+                    line += (f" | {label} {rate(chosen, nbytes)} {chosen / cublas:5.2f}x"
+                             f" best {rate(best[0], nbytes)} [{best[1]}]")
+                print(line, flush=True)
             dense.clear()
             weights.clear()
             quantized.clear()
@@ -153,6 +168,41 @@ def bench_kernels(config_dir: str, copy_gbs: float) -> None:
               f" roofline {copy_gbs * 1e9 / (weights + kv_bytes):.1f} tok/s")
         del llm, runner, graphs
         torch.cuda.empty_cache()
+
+
+def bench_routes(config_dir: str) -> None:
+    """Decode-step replay at a few batch sizes, multi-row projections on the tensor-core kernel
+    against cuBLAS (an engine captured with the kernel declared unsuitable for every shape)."""
+    import tokenmill.kernels.few_row_mma as mma
+
+    batches, context = (2, 4, 8, 16), 512
+    times: dict[tuple[str, int], float] = {}
+    for route in ("tensor-core kernel", "cuBLAS"):
+        suits = mma.few_row_mma_suits
+        if route == "cuBLAS":
+            mma.few_row_mma_suits = lambda n, k: False
+        try:
+            llm = LLM(config_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=16,
+                      kv_cache_bytes=4 << 30)
+        finally:
+            mma.few_row_mma_suits = suits
+        runner = llm.engine.runner
+        graphs = runner.graphs[0]
+        blocks = context // runner.block_size
+        for batch in batches:
+            graphs.seq_lens[:batch].fill_(context)
+            for row in range(batch):
+                graphs.block_tables[row, :blocks] = torch.arange(row * blocks, (row + 1) * blocks, device="cuda")
+            last = graphs.block_tables[:batch, blocks - 1].long() * runner.block_size
+            graphs.slot_mapping[:batch] = last + (context - 1) % runner.block_size
+            bucket = (batch, graphs.contexts[bisect.bisect_left(graphs.contexts, context)])
+            times[route, batch] = replay_seconds(graphs.graphs[bucket].replay)
+        del llm, runner, graphs
+        torch.cuda.empty_cache()
+    print(f"\n## decode step replay, context {context}: tensor-core kernel vs cuBLAS for the multi-row projections")
+    for batch in batches:
+        kernel, cublas = times["tensor-core kernel", batch], times["cuBLAS", batch]
+        print(f"  bs={batch:<3} {kernel * 1e3:6.3f} ms vs {cublas * 1e3:6.3f} ms  ({kernel / cublas:5.3f}x of cuBLAS time)")
 
 
 def spec_phases() -> list[tuple[object, str]]:
@@ -237,15 +287,16 @@ def bench_idle(target_dir: str, draft_dir: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: gemv, kernels, spec")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: gemv, routes, kernels, spec")
     parser.add_argument("--gemv-rows", default="1,2,5,8", help="rows of x in the gemv part")
-    parser.add_argument("--gemv-sweep", action="store_true", help="also try other one-row tiles")
+    parser.add_argument("--gemv-sweep", action="store_true", help="also try other one-row and tensor-core tiles")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
     copy_gbs = copy_bandwidth() / 1e9
     print(f"{torch.cuda.get_device_name()}: copy {copy_gbs:.0f} GB/s", flush=True)
     if "gemv" not in skip:
-        bench_gemv(copy_gbs, [int(r) for r in args.gemv_rows.split(",")], TILES if args.gemv_sweep else [])
+        rows = [int(r) for r in args.gemv_rows.split(",")]
+        bench_gemv(copy_gbs, rows, TILES if args.gemv_sweep else [], MMA_TILES if args.gemv_sweep else [])
     with tempfile.TemporaryDirectory() as tmp:
         from spec_bench import LLAMA_32_1B
 
@@ -253,6 +304,8 @@ def main() -> None:
         for path, config in ((target_dir, LLAMA_31_8B), (draft_dir, LLAMA_32_1B)):
             path.mkdir()
             (path / "config.json").write_text(json.dumps(config))
+        if "routes" not in skip:
+            bench_routes(str(target_dir))
         if "kernels" not in skip:
             bench_kernels(str(target_dir), copy_gbs)
         if "spec" not in skip:

@@ -23,6 +23,7 @@ from triton.compiler import ASTSource
 
 from tokenmill.kernels.activation import _silu_and_mul_kernel
 from tokenmill.kernels.attention import plan_attention
+from tokenmill.kernels.few_row_mma import MMA_ROWS, _few_row_mma_kernel, few_row_mma_tile
 from tokenmill.kernels.gemv import _gemv_kernel, gemv_tile
 from tokenmill.kernels.kv_cache import _write_kv_kernel
 from tokenmill.kernels.paged_attention import _merge_kernel, _paged_attention_kernel
@@ -100,6 +101,13 @@ def other_variants():
         yield (f"gemv {n}x{k} {weight} rows={rows} (dependent launch)", _gemv_kernel, types,
                dict(ROWS=rows, HAS_SCALE=weight != "bf16", HAS_BIAS=False, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                     EVEN_K=True, PDL=True), tile.num_warps, tile.num_stages)
+    for n, k, weight in ((6144, 4096, "bf16"), (4096, 14336, "bf16"), (3072, 2048, "fp8e4nv"), (16384, 2048, "fp8e4nv")):
+        tile = few_row_mma_tile(n, k)
+        types = {"x_ptr": "*bf16", "w_ptr": f"*{weight}", "scale_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16"}
+        yield (f"few_row_mma {n}x{k} {weight} (dependent launch)", _few_row_mma_kernel, types,
+               dict(HAS_SCALE=weight != "bf16", HAS_BIAS=False, BLOCK_M=MMA_ROWS, BLOCK_N=tile.block_n,
+                    BLOCK_K=tile.block_k, EVEN_K=True, UPCAST=False, IEEE=False, PDL=True),
+               tile.num_warps, tile.num_stages)
     yield ("rms_norm+residual 4096", _rms_norm_kernel,
            {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16", "eps": "fp32"},
            dict(BLOCK=4096, HAS_RESIDUAL=True, LAUNCH_NEXT=True), 8, 1)

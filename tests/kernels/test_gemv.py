@@ -1,4 +1,5 @@
-"""The few-row matmul kernel (bf16/fp16/fp32 or FP8 weights) and the Linear layer that dispatches to it."""
+"""The few-row FMA matmul kernel (bf16/fp16/fp32 or FP8 weights) and the Linear layer that dispatches
+between it, the tensor-core kernel and torch."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import pytest
 import torch
 from kernel_cases import on_cpu, on_gpu
 
+from tokenmill.kernels.few_row_mma import MMA_ROWS, few_row_mma
 from tokenmill.kernels.gemv import MAX_ROWS, GemvTile, gemv, gemv_ref
-from tokenmill.layers.linear import KERNEL_ROWS, Linear, fp8_rows
+from tokenmill.layers.linear import FMA_ROWS, Linear, fp8_rows
 
 
 @pytest.mark.parametrize(
@@ -138,19 +140,32 @@ def test_gemv_refuses_bad_shapes_and_scales() -> None:
         gemv(torch.randn(1, 8), weight, weight_scale=scale[:3])
 
 
-@pytest.mark.parametrize("rows,fp8", [(1, False), (3, False), (3, True), (MAX_ROWS + 1, True)])
-def test_linear_dispatch_gives_torch_result(rows: int, fp8: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Up to KERNEL_ROWS rows go through the kernel (FP8 weights: up to MAX_ROWS), more
-    through torch (FP8 weights dequantized for the call): all equal F.linear on the real weight."""
-    import tokenmill.kernels.gemv as kernel
+@pytest.mark.parametrize("rows", [1, 2, 5, MMA_ROWS, MMA_ROWS + 1])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("in_features", [40, 60], ids=["short-rows", "long-rows"])
+def test_linear_dispatch_gives_torch_result(
+    rows: int, fp8: bool, in_features: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Up to FMA_ROWS rows (FP8 weights: MAX_ROWS) go through the FMA kernel, up to MMA_ROWS
+    through the tensor-core one (unquantized: only where it suits the shape, not rows more than
+    twice as long as there are rows), more through torch (FP8 weights dequantized for the call):
+    all equal F.linear on the real weight."""
+    import tokenmill.kernels.few_row_mma as mma_module
+    import tokenmill.kernels.gemv as fma_module
 
     calls = []
-    monkeypatch.setattr(kernel, "gemv", lambda *args, **kwargs: calls.append(1) or gemv(*args, **kwargs))
+    monkeypatch.setattr(fma_module, "gemv", lambda *args, **kwargs: calls.append("fma") or gemv(*args, **kwargs))
+    monkeypatch.setattr(mma_module, "few_row_mma",
+                        lambda *args, **kwargs: calls.append("mma") or few_row_mma(*args, **kwargs))
     torch.manual_seed(1)
-    layer = Linear(40, 24, bias=True, few_row_kernel=True)
+    layer = Linear(in_features, 24, bias=True, few_row_kernel=True)
     if fp8:
         layer.quantize_fp8_()
-    x = torch.randn(rows, 40)
+    x = torch.randn(rows, in_features)
     expected = torch.nn.functional.linear(x, layer.dequantized_weight(), layer.bias)
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
-    assert len(calls) == (rows <= (MAX_ROWS if fp8 else KERNEL_ROWS))
+    mma_ok = fp8 or in_features <= 2 * 24
+    if rows <= (MAX_ROWS if fp8 else FMA_ROWS):
+        assert calls == ["fma"]
+    else:
+        assert calls == (["mma"] if rows <= MMA_ROWS and mma_ok else [])

@@ -1,9 +1,10 @@
-"""Linear layers: torch's matmul, except a few rows on CUDA, which stream the weight through
-tokenmill's few-row kernel (decode at small batch is bound by reading the weights once).
+"""Linear layers: torch's matmul, except a few rows on CUDA, which stream the weight through one
+of tokenmill's few-row kernels (decode at small batch is bound by reading the weights once): the
+FMA kernel (gemv.py) for one row, the tensor-core one (few_row_mma.py) for up to 16.
 
 A weight may be FP8 E4M3 with a float32 scale per output row (`quantize_fp8_`, weight-only:
-activations stay in the model's dtype). The kernel reads the FP8 bytes; elsewhere (CPU, or more
-rows than the kernel takes) the weight is dequantized for the call.
+activations stay in the model's dtype). The kernels read the FP8 bytes; elsewhere (CPU, or more
+rows than the kernels take) the weight is dequantized for the call.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 FP8_E4M3 = torch.float8_e4m3fn
-KERNEL_ROWS = 1
-"""Most rows of x the kernel takes for an unquantized weight; above it torch's matmul (cuBLAS).
-An FP8 weight goes through it up to the kernel's limit (gemv.MAX_ROWS), above that dequantized."""
+FMA_ROWS = 1
+"""Most rows of x the FMA kernel takes for an unquantized weight (from 2 rows it keeps too many
+accumulators); FP8 weights go through it up to all the rows it takes (gemv.MAX_ROWS), since the
+tensor-core kernel widens FP8 slowly. Above these, up to the tensor-core kernel's MMA_ROWS, the
+tensor-core kernel where it beats cuBLAS (FP8: always); above that torch's matmul (cuBLAS)."""
 
 
 class Linear(nn.Linear):
@@ -23,19 +26,22 @@ class Linear(nn.Linear):
     """float32 [out_features] when the weight is FP8: row n of the real weight = weight[n] * weight_scale[n]."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, few_row_kernel: bool = False, **kwargs) -> None:
-        """few_row_kernel: use the Triton kernel for inputs of up to KERNEL_ROWS rows (FP8 weights:
-        up to the kernel's limit); CUDA models only."""
+        """few_row_kernel: use the Triton kernels for inputs of up to MMA_ROWS rows; CUDA models only."""
         super().__init__(in_features, out_features, bias=bias, **kwargs)
         self.few_row_kernel = few_row_kernel
         self.register_buffer("weight_scale", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.few_row_kernel and x.dim() == 2 and x.is_contiguous():
+        fp8 = self.weight_scale is not None
+        if self.few_row_kernel and x.dim() == 2 and x.is_contiguous() and (fp8 or x.dtype == self.weight.dtype):
+            from tokenmill.kernels.few_row_mma import MMA_ROWS, few_row_mma, few_row_mma_suits
             from tokenmill.kernels.gemv import MAX_ROWS, gemv
 
-            if x.shape[0] <= (MAX_ROWS if self.weight_scale is not None else KERNEL_ROWS):
+            if x.shape[0] <= (MAX_ROWS if fp8 else FMA_ROWS):
                 return gemv(x, self.weight, self.bias, weight_scale=self.weight_scale)
-        if self.weight_scale is not None:
+            if x.shape[0] <= MMA_ROWS and (fp8 or few_row_mma_suits(*self.weight.shape)):
+                return few_row_mma(x, self.weight, self.bias, weight_scale=self.weight_scale)
+        if fp8:
             return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
         return F.linear(x, self.weight, self.bias)
 

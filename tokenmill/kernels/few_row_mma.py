@@ -1,0 +1,117 @@
+"""Few-row matmul on tensor cores: y = x @ (W * scale).T (+ b) for x [M, K] with 2 <= M <= 16,
+the shape of a verify step (1 + γ rows), a draft's catch-up, or decode at a small batch.
+
+Like the one-row kernel (gemv.py) it is a stream over W's bytes, but the products run on the
+tensor cores: each program owns BLOCK_N rows of W and computes W_tile @ x^T ([BLOCK_N, BLOCK_K]
+@ [BLOCK_K, 16], x's rows padded with zeros to the MMA's 16), so the weight is the MMA's wide
+operand and x the narrow one. The FMA kernel keeps a separate accumulator per row of x and
+runs out of registers from M = 2; here the accumulator is [BLOCK_N, 16] whatever M is. No
+split-K: every projection of interest has N >= 2048, enough programs to fill the machine.
+
+FP8 weights (E4M3, float32 scale per output row) are widened to x's dtype in registers before
+the MMA, which is exact (every E4M3 value is a bf16 and an fp16 value); the row's scale
+multiplies the sum (weight-only: x is never quantized). float32 x multiplies in IEEE float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from tokenmill.kernels._common import FP8_DTYPE, dependent_launch, interpreting, mm
+from tokenmill.kernels.gemv import GemvTile
+
+MMA_ROWS = 16  # x's rows padded to the MMA's narrow side; the most one launch takes
+
+
+def few_row_mma_tile(n: int, k: int) -> GemvTile:
+    """The tile the H200 sweep found best per projection shape (benchmarks/RESULTS.md, 2026-12-01
+    late), generalised by size: wide programs for the wide weights, narrow ones (more of them,
+    deeper pipelines) for the small."""
+    if interpreting():
+        return GemvTile(16, 32, 1, 1)
+    if n >= 16384:  # gate_up, lm_head, a draft's head
+        return GemvTile(64, 128, 4, 4)
+    if n >= 6144 or (n >= 3072 and k <= 2048):  # qkv_proj
+        return GemvTile(64, 256, 4, 3)
+    if n >= 4096:  # o_proj
+        return GemvTile(32, 128, 4, 6)
+    return GemvTile(16, 256, 4, 6)  # a small model's o_proj
+
+
+def few_row_mma_suits(n: int, k: int) -> bool:
+    """Whether the kernel beats cuBLAS on a weight of [n, k] (measured at 2, 5 and 16 rows): not
+    on rows much longer than there are rows (down_proj), where cuBLAS splits K and it does not."""
+    return k <= 2 * n
+
+
+@triton.jit
+def _few_row_mma_kernel(
+    x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    xt_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # x^T: [BLOCK_K, BLOCK_M]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    if PDL:
+        gdc_wait()
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0)
+            xt = tl.load(xt_ptrs + k0, mask=m_ok[None, :], other=0.0)
+        else:
+            k_ok = k0 + offs_k < K
+            w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            xt = tl.load(xt_ptrs + k0, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = mm(w.to(xt.dtype), xt, acc, UPCAST, IEEE)
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+def few_row_mma(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tile: GemvTile | None = None,
+    pdl: bool | None = None,
+    weight_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] * weight_scale[:, None]).T (+ bias) -> [M, N] in x's dtype, for
+    M <= MMA_ROWS. weight_scale (float32 [N]) is required for FP8 weights and refused otherwise.
+    pdl (default: where the device has it) launches it as a programmatic dependent of the kernel
+    before it."""
+    n, k = weight.shape
+    rows = x.shape[0]
+    if x.dim() != 2 or not 1 <= rows <= MMA_ROWS or x.shape[1] != k or weight.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError(f"few_row_mma takes x [M <= {MMA_ROWS}, K] and a row-major weight [N, K]; "
+                         f"got {tuple(x.shape)}, {tuple(weight.shape)}")
+    if (weight.dtype == FP8_DTYPE) != (weight_scale is not None):
+        raise ValueError("FP8 weights need a float32 weight_scale per output row, and only FP8 weights take one")
+    if weight_scale is not None and (weight_scale.shape != (n,) or weight_scale.dtype != torch.float32):
+        raise ValueError(f"weight_scale must be float32 [{n}], got {weight_scale.dtype} {tuple(weight_scale.shape)}")
+    if weight_scale is None and weight.dtype != x.dtype:
+        raise ValueError(f"weight ({weight.dtype}) and x ({x.dtype}) must share a dtype unless the weight is FP8")
+    tile = tile or few_row_mma_tile(n, k)
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    pdl = dependent_launch(x.device) if pdl is None else pdl
+    _few_row_mma_kernel[(triton.cdiv(n, tile.block_n),)](
+        x, weight, weight_scale if weight_scale is not None else weight, bias if bias is not None else weight, y,
+        rows, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None, BLOCK_M=MMA_ROWS, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, EVEN_K=k % tile.block_k == 0,
+        UPCAST=interpreting() and x.dtype != torch.float32, IEEE=x.dtype == torch.float32,
+        PDL=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
+    )
+    return y
