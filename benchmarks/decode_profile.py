@@ -7,8 +7,9 @@
            tensor-core one) with their chosen tiles and a few others (--gemv-sweep), bf16 and
            (draft) FP8 weights, every weight cycled through copies
            larger than L2; GB/s and ratio to the copy rate.
-  routes   the captured decode step at batch 2, 4, 8, 16 (context 512): replay time with the
-           multi-row projections on the tensor-core kernel (the engine's route) and on cuBLAS.
+  routes   the captured decode step at batch 1 to 16 (context 512): replay time of the engine
+           against engines with one route switched back (multi-row projections on cuBLAS
+           instead of the tensor-core kernel); ratios are of engine time to the alternative's.
   kernels  one captured decode step (context 128, and 32k with FP8 KV) under the profiler:
            device time per kernel family, their sum against the replay's wall time (the
            gaps between kernels), and the engine's tok/s against the bare replay rate (what
@@ -22,11 +23,14 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
+import contextlib
+import functools
 import json
 import os
+import statistics
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -42,6 +46,7 @@ from tokenmill.config import BENCHMARK_ACCEPT_ALL, BENCHMARK_ACCEPT_ALL_ENV  # n
 from tokenmill.kernels.few_row_mma import few_row_mma, few_row_mma_tile  # noqa: E402
 from tokenmill.kernels.gemv import MAX_ROWS, GemvTile, gemv, gemv_tile  # noqa: E402
 from tokenmill.layers.linear import fp8_rows  # noqa: E402
+from tokenmill.runner.cuda_graphs import StepGraphs  # noqa: E402
 
 L2_BYTES = 64 << 20
 PROJECTIONS = {  # name: (N, K) of Llama-3.1-8B
@@ -170,39 +175,69 @@ def bench_kernels(config_dir: str, copy_gbs: float) -> None:
         torch.cuda.empty_cache()
 
 
-def bench_routes(config_dir: str) -> None:
-    """Decode-step replay at a few batch sizes, multi-row projections on the tensor-core kernel
-    against cuBLAS (an engine captured with the kernel declared unsuitable for every shape)."""
+@contextlib.contextmanager
+def route_variant(name: str) -> Iterator[None]:
+    """An engine captured inside takes the named alternative to one of its kernel routes."""
     import tokenmill.kernels.few_row_mma as mma
 
-    batches, context = (2, 4, 8, 16), 512
-    times: dict[tuple[str, int], float] = {}
-    for route in ("tensor-core kernel", "cuBLAS"):
-        suits = mma.few_row_mma_suits
-        if route == "cuBLAS":
-            mma.few_row_mma_suits = lambda n, k: False
-        try:
+    owner, attribute, replacement = {
+        "engine": (None, "", None),
+        "cuBLAS for 2-16 rows": (mma, "few_row_mma_suits", lambda n, k: False),
+    }[name]
+    original = getattr(owner, attribute, None)
+    if owner is not None:
+        setattr(owner, attribute, replacement)
+    try:
+        yield
+    finally:
+        if owner is not None:
+            setattr(owner, attribute, original)
+
+
+def bench_routes(config_dir: str, rounds: int = 5) -> None:
+    """Decode-step replay at a few batch sizes: the engine's kernel routes against the
+    alternatives they replaced (each an engine captured with one route switched back). All
+    engines are alive at once and their replays interleaved, round after round (medians), so
+    clock drift falls on every variant alike; batch 1 runs the same kernels in every variant,
+    so its ratio is the measurement's own bias."""
+    batches, context = (1, 2, 4, 8, 16), 512
+    variants = ("engine", "cuBLAS for 2-16 rows")
+    replays: dict[tuple[str, int], Callable[[], None]] = {}
+    engines = []
+    for variant in variants:
+        with route_variant(variant):
             llm = LLM(config_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=16,
                       kv_cache_bytes=4 << 30)
-        finally:
-            mma.few_row_mma_suits = suits
+        engines.append(llm)
         runner = llm.engine.runner
-        graphs = runner.graphs[0]
         blocks = context // runner.block_size
         for batch in batches:
-            graphs.seq_lens[:batch].fill_(context)
-            for row in range(batch):
-                graphs.block_tables[row, :blocks] = torch.arange(row * blocks, (row + 1) * blocks, device="cuda")
-            last = graphs.block_tables[:batch, blocks - 1].long() * runner.block_size
-            graphs.slot_mapping[:batch] = last + (context - 1) % runner.block_size
-            bucket = (batch, graphs.contexts[bisect.bisect_left(graphs.contexts, context)])
-            times[route, batch] = replay_seconds(graphs.graphs[bucket].replay)
-        del llm, runner, graphs
-        torch.cuda.empty_cache()
-    print(f"\n## decode step replay, context {context}: tensor-core kernel vs cuBLAS for the multi-row projections")
+            replays[variant, batch] = functools.partial(
+                replay_batch, runner.graphs[0], batch, context, blocks, runner.block_size)
+    samples: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
+    for _ in range(rounds):
+        for key, replay in replays.items():
+            samples[key].append(replay())
+    print(f"\n## decode step replay, context {context}: the engine against each replaced route "
+          f"(median of {rounds} interleaved rounds)")
     for batch in batches:
-        kernel, cublas = times["tensor-core kernel", batch], times["cuBLAS", batch]
-        print(f"  bs={batch:<3} {kernel * 1e3:6.3f} ms vs {cublas * 1e3:6.3f} ms  ({kernel / cublas:5.3f}x of cuBLAS time)")
+        engine = statistics.median(samples["engine", batch])
+        others = "  ".join(f"{v}: {statistics.median(samples[v, batch]) * 1e3:6.3f} ms "
+                           f"({engine / statistics.median(samples[v, batch]):5.3f}x)" for v in variants[1:])
+        print(f"  bs={batch:<3} engine {engine * 1e3:6.3f} ms | {others}")
+    del engines
+    torch.cuda.empty_cache()
+
+
+def replay_batch(graphs: StepGraphs, batch: int, context: int, blocks: int, block_size: int) -> float:
+    """Seconds per replay of the decode graph of `batch` requests, each `context` tokens long."""
+    graphs.seq_lens[:batch].fill_(context)
+    for row in range(batch):
+        graphs.block_tables[row, :blocks] = torch.arange(row * blocks, (row + 1) * blocks, device="cuda")
+    last = graphs.block_tables[:batch, blocks - 1].long() * block_size
+    graphs.slot_mapping[:batch] = last + (context - 1) % block_size
+    bucket = (batch, graphs.contexts[bisect.bisect_left(graphs.contexts, context)])
+    return replay_seconds(graphs.graphs[bucket].replay)
 
 
 def spec_phases() -> list[tuple[object, str]]:
