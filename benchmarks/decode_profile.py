@@ -315,9 +315,9 @@ def bench_idle(target_dir: str, draft_dir: str) -> None:
     del llm
     os.environ[BENCHMARK_ACCEPT_ALL_ENV] = "1"
     llm = LLM(target_dir, **common, speculative_config={
-        "method": "draft_model", "model": draft_dir, "num_speculative_tokens": 4, "draft_sampling": "greedy",
-        "verification": BENCHMARK_ACCEPT_ALL})
-    idle_profile(llm, "spec accept-all bs=1, 1B-shape draft, gamma 4")
+        "method": "draft_model", "model": draft_dir, "num_speculative_tokens": 3, "draft_sampling": "greedy",
+        "quantization": "fp8", "verification": BENCHMARK_ACCEPT_ALL})
+    idle_profile(llm, "spec accept-all bs=1, 1B-shape FP8 draft, gamma 3")
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ Triton's compiler entry points (ASTSource, GPUTarget), which are not a stable AP
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 os.environ["TRITON_INTERPRET"] = "0"
@@ -129,7 +130,7 @@ def waits_before_writing(ptx: str) -> bool:
     if ptx.count("griddepcontrol.wait") != 1:
         return False
     before = ptx.split("griddepcontrol.wait")[0]
-    return "st.global" not in before and "atom." not in before and "red." not in before
+    return not re.search(r"^\s*(?:@!?%p\d+\s+)?(?:st\.global|atom\.|red\.)", before, re.MULTILINE)
 
 
 def main(quick: bool = False) -> int:
