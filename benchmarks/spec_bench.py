@@ -10,10 +10,14 @@ so a real draft's acceptance cannot be measured here; the figures are the machin
     shows the speed-up at full acceptance, acceptance length gamma + 1), with its full head and
     with the head cut to a 32k-token draft vocabulary; beside each, the ratio the captured
     steps allow with no host time at all (catch-up + (gamma - 1) draft steps + verify against
-    gamma + 1, or 3.5, plain steps).
+    gamma + 1, or 3.5, plain steps);
+  - with --acceptance-length L, the accept-all parts accept by a fixed BENCHMARK-ONLY pattern
+    of mean acceptance length L instead (e.g. 2, 3, 2, 3, ... drafts for 3.5; the rest rolled
+    back as real rejections are), so the rate at a given acceptance length is measured, not
+    only bounded.
 
     python benchmarks/spec_bench.py [--gamma 4] [--parts cost,ngram,accept,vocab] [--vocab-gammas 4,6]
-                                    [--draft-quantization fp8]
+                                    [--draft-quantization fp8] [--acceptance-length 3.5]
 """
 
 from __future__ import annotations
@@ -89,6 +93,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--draft-quantization", choices=["fp8"], default=None,
                         help="quantize the draft's weights at load (the accept-all parts)")
+    parser.add_argument("--acceptance-length", type=float, default=None,
+                        help="the accept-all parts accept by a fixed pattern of this mean acceptance length instead "
+                             "(benchmark-only), e.g. 3.5: the issue's target, measured")
     parser.add_argument("--parts", default="cost,ngram,accept,vocab",
                         help="verify-step cost, n-gram decode, accept-all decode, accept-all with a 32k draft vocabulary")
     args = parser.parse_args()
@@ -137,7 +144,7 @@ def main() -> None:
         os.environ[BENCHMARK_ACCEPT_ALL_ENV] = "1"
         if "accept" in parts:
             accept_all_decode(target_dir, draft_dir, common, args.gamma, args.tokens, base, report, None,
-                              args.draft_quantization)
+                              args.draft_quantization, args.acceptance_length)
         if "vocab" in parts:
             # The draft's head cut to a 32k-token draft vocabulary (the head is 21% of the 1B's
             # bytes): what `tokenmill draft-vocab build` buys at full acceptance.
@@ -145,28 +152,32 @@ def main() -> None:
             numpy.save(vocab_file, numpy.arange(32768, dtype=numpy.int64))
             for gamma in [int(g) for g in args.vocab_gammas.split(",") if g] or [args.gamma]:
                 accept_all_decode(target_dir, draft_dir, common, gamma, args.tokens, base, report, vocab_file,
-                                  args.draft_quantization)
+                                  args.draft_quantization, args.acceptance_length)
     print(json.dumps(figures))
 
 
 def accept_all_decode(target_dir: Path, draft_dir: Path, common: dict, gamma: int, tokens: int, base: float,
                       report: Callable[[str, float, str], None], draft_vocab: Path | None,
-                      quantization: str | None) -> None:
+                      quantization: str | None, length: float | None = None) -> None:
     """BENCHMARK-ONLY accept-all decoding at bs=1 with the 1B-shape draft (optionally with a draft
-    vocabulary and quantized weights)."""
+    vocabulary and quantized weights; with `length`, drafts accepted by a fixed pattern of that
+    mean acceptance length instead of all)."""
     label = f", gamma {gamma}" + ("" if draft_vocab is None else ", 32k draft vocabulary")
     label += f", {quantization} draft" if quantization else ""
+    mode = "accept-all" if length is None else f"fixed acceptance length {length}"
     spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": gamma,
             "draft_sampling": "greedy", "verification": BENCHMARK_ACCEPT_ALL}
+    if length is not None:
+        spec["benchmark_acceptance_length"] = length
     if draft_vocab is not None:
         spec["draft_vocab"] = str(draft_vocab)
     if quantization:
         spec["quantization"] = quantization
     draft = LLM(str(target_dir), **common, speculative_config=spec)
     rate = decode_rate(draft, 128, tokens, first=2)
-    report(f"BENCHMARK-ONLY accept-all: bs=1 decode, 1B-shape draft{label}", rate, "tok/s")
+    report(f"BENCHMARK-ONLY {mode}: bs=1 decode, 1B-shape draft{label}", rate, "tok/s")
     report(f"  ratio to no speculation{label}", rate / base, "x")
-    report(f"  accept-all mean acceptance length{label}", draft.engine.spec_stats.mean_acceptance_length, "")
+    report(f"  {mode}: mean acceptance length{label}", draft.engine.spec_stats.mean_acceptance_length, "")
     proposer = draft.engine.proposer
     one, verify = (graph_step_ms(g, 1, 512) for g in draft.engine.runner.graphs)
     draft_ms, catch_up_ms = graph_step_ms(proposer.decode_graphs, 1, 512), graph_step_ms(proposer.catch_up_graphs, 1, 512)

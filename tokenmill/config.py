@@ -108,6 +108,10 @@ class SpeculativeConfig:
     quantization: str | None = None
     """fp8: quantize the draft's linear layers (output head too) to FP8 E4M3 weights at load, one
     scale per output row (weight-only); halves the bytes each draft step reads."""
+    benchmark_acceptance_length: float | None = None
+    """Only with verification benchmark_accept_all: accept drafts in a fixed pattern whose mean
+    acceptance length (accepted drafts + 1) is this, instead of all (measures a given acceptance
+    length with a draft that agrees with nothing, as random weights do)."""
     prompt_lookup_min: int = 1
     """Shortest suffix n-gram the ngram proposer matches."""
     prompt_lookup_max: int = 4
@@ -144,6 +148,12 @@ class SpeculativeConfig:
                                   f"{BENCHMARK_ACCEPT_ALL_ENV}=1 and is never a serving option")
         elif self.verification not in ("token", "block"):
             raise ConfigError(f"verification must be token or block, not {self.verification!r}")
+        length = self.benchmark_acceptance_length
+        if length is not None and self.verification != BENCHMARK_ACCEPT_ALL:
+            raise ConfigError(f"benchmark_acceptance_length needs verification {BENCHMARK_ACCEPT_ALL} (benchmark-only)")
+        if length is not None and not 1 <= length <= self.num_speculative_tokens + 1:
+            raise ConfigError(f"benchmark_acceptance_length must be in 1..{self.num_speculative_tokens + 1} "
+                              f"(num_speculative_tokens + 1), not {length}")
         if self.draft_sampling not in ("probabilistic", "greedy"):
             raise ConfigError(f"draft_sampling must be probabilistic or greedy, not {self.draft_sampling!r}")
         if self.draft_kv_cache_dtype not in (AUTO, "fp8"):

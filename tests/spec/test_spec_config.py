@@ -31,8 +31,18 @@ def test_json_keys_become_fields() -> None:
         ('{"method": "draft_model", "model": "d", "quantization": "nvfp4"}', "quantization must be fp8"),
         ('{"method": "ngram", "quantization": "fp8"}', "the ngram method has none"),
         ('{"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min <= prompt_lookup_max"),
+        ('{"method": "ngram", "benchmark_acceptance_length": 3.5}', "needs verification benchmark_accept_all"),
     ],
 )
 def test_what_cannot_be_honoured_is_refused(text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         SpeculativeConfig.from_json(text).check()
+
+
+def test_a_benchmark_acceptance_length_is_within_what_gamma_allows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENMILL_BENCHMARK_ONLY_ACCEPT_ALL", "1")
+    base = '{"method": "ngram", "num_speculative_tokens": 3, "verification": "benchmark_accept_all", '
+    SpeculativeConfig.from_json(base + '"benchmark_acceptance_length": 3.5}').check()
+    for length in ("0.5", "4.5"):
+        with pytest.raises(ConfigError, match=r"must be in 1\.\.4"):
+            SpeculativeConfig.from_json(base + f'"benchmark_acceptance_length": {length}}}').check()

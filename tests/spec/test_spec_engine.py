@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from scipy.stats import chi2_contingency
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.config import BENCHMARK_ACCEPT_ALL, BENCHMARK_ACCEPT_ALL_ENV
 from tokenmill.models.loader import iter_weights, load_hf_config, resolve_model
 
 pytestmark = pytest.mark.slow
@@ -98,6 +99,23 @@ def test_fp8_quantized_draft_keeps_greedy_output(reference: list[list[int]]) -> 
     length = llm.engine.spec_stats.mean_acceptance_length
     print(f"draft model (SmolLM2 quantized to FP8 at load): mean acceptance length {length:.2f}")
     assert 3.5 < length <= 5.0
+
+
+def test_benchmark_acceptance_length_rejects_by_its_pattern(
+    reference: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """BENCHMARK-ONLY fixed pattern at 2.5: SmolLM2 drafting for itself (every draft equals the
+    target's choice) has 1, 2, 1, 2, ... drafts accepted and the rest rolled back, then the
+    target's argmax emitted: the same tokens as plain decoding, mean acceptance length 2.5 (the
+    last steps, capped by max_tokens, accept fewer) and never a third draft accepted."""
+    monkeypatch.setenv(BENCHMARK_ACCEPT_ALL_ENV, "1")
+    llm = spec_llm(method="draft_model", model=str(resolve_model(None).path), num_speculative_tokens=3,
+                   draft_sampling="greedy", verification=BENCHMARK_ACCEPT_ALL, benchmark_acceptance_length=2.5)
+    assert greedy(llm) == reference
+    stats = llm.engine.spec_stats
+    print(f"fixed pattern 2.5: mean acceptance length {stats.mean_acceptance_length:.3f} over {stats.num_drafts} steps")
+    assert 2.4 <= stats.mean_acceptance_length <= 2.5
+    assert stats.accepted_per_position[0] == stats.num_drafts and stats.accepted_per_position[2] == 0
 
 
 @pytest.mark.parametrize("draft_sampling", ["greedy", "probabilistic"])

@@ -24,7 +24,15 @@ from no_host_sync import forbid_host_reads
 from tokenmill.layers.sampler import SamplingMetadata, SamplingRow, exponential_argmax, processed_probs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec import verify as verify_module
-from tokenmill.spec.verify import VerifyInput, VerifyOutput, accept_all, verify_block, verify_greedy, verify_tokenwise
+from tokenmill.spec.verify import (
+    VerifyInput,
+    VerifyOutput,
+    accept_all,
+    benchmark_accepted,
+    verify_block,
+    verify_greedy,
+    verify_tokenwise,
+)
 
 CPU = torch.device("cpu")
 V = 8  # vocabulary
@@ -591,6 +599,17 @@ def test_accept_all_takes_every_draft_then_the_argmax_after_it() -> None:
     for row in range(50):
         n = int(num[row])
         assert out.output_token_ids[row].tolist() == x[row, :n].tolist() + [int(p[row, n].argmax())] + [-1] * (4 - n)
+
+
+@pytest.mark.parametrize("length", [1.0, 1.5, 2.25, 3.5, 4.0, 5.2])
+def test_benchmark_pattern_has_the_asked_mean_acceptance_length(length: float) -> None:
+    """The fixed pattern accepts floor(length - 1) or one more at each step, and after any number
+    of steps its total is the running total's whole part: the mean converges at 1/steps."""
+    accepted = [benchmark_accepted(length, step) for step in range(400)]
+    assert set(accepted) <= {math.floor(length - 1), math.ceil(length - 1)}
+    for steps in (1, 2, 7, 400):
+        assert sum(accepted[:steps]) == math.floor(steps * (length - 1) + 1e-9)
+    assert [benchmark_accepted(3.5, step) for step in range(4)] == [2, 3, 2, 3]
 
 
 # ----------------------------------------------------------------- 5. no host sync

@@ -87,6 +87,7 @@ class ModelRunner:
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         speculative = config.speculative
         self.spec_verification = speculative.verification if speculative.method is not None else None
+        self.spec_benchmark_length = speculative.benchmark_acceptance_length
         budget = kv_cache_budget(config, self.device, self._profile_step)
         self.num_blocks = plan_num_blocks(
             budget, self.kv_bytes_per_block() + extra_kv_bytes_per_block, self.block_size, config.model.max_model_len
@@ -251,7 +252,8 @@ class ModelRunner:
         if self.spec_verification is not None:
             from tokenmill.spec.target_step import verify_drafts
 
-            spec = verify_drafts(logits, sampling_requests, self.vocab_size, self.spec_verification)
+            spec = verify_drafts(logits, sampling_requests, self.vocab_size, self.spec_verification,
+                                 self.spec_benchmark_length)
             sampled = SamplerOutput(spec.token_ids, spec.logprob_token_ids, spec.logprobs)
             return self._copy_to_host(sampling_requests, sampled, spec.num_accepted)
         sampled = self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device))

@@ -21,7 +21,15 @@ from tokenmill.config import BENCHMARK_ACCEPT_ALL
 from tokenmill.engine.request import Request
 from tokenmill.layers.sampler import SamplingMetadata, SamplingRow, gather_logprobs, processed_probs, row_argmax
 from tokenmill.runner.batch import to_device
-from tokenmill.spec.verify import VerifyInput, VerifyOutput, accept_all, verify_block, verify_greedy, verify_tokenwise
+from tokenmill.spec.verify import (
+    VerifyInput,
+    VerifyOutput,
+    accept_all,
+    benchmark_accepted,
+    verify_block,
+    verify_greedy,
+    verify_tokenwise,
+)
 
 VERIFIERS: dict[str, Callable[[VerifyInput], VerifyOutput]] = {
     "token": verify_tokenwise,
@@ -42,9 +50,12 @@ def rows_per_request(requests: Sequence[Request]) -> list[int]:
 
 
 def verify_drafts(
-    logits: torch.Tensor, requests: Sequence[Request], vocab_size: int, rule: str
+    logits: torch.Tensor, requests: Sequence[Request], vocab_size: int, rule: str,
+    benchmark_length: float | None = None,
 ) -> SpeculativeOutput:
-    """logits: [sum of rows_per_request, V], request by request, position by position."""
+    """logits: [sum of rows_per_request, V], request by request, position by position.
+    benchmark_length: under the benchmark-only accept-all rule, accept by the fixed pattern of
+    `benchmark_accepted` instead of every draft."""
     device = logits.device
     counts = [r.drafts.count for r in requests]
     batch, width = len(requests), max(counts) + 1
@@ -69,6 +80,9 @@ def verify_drafts(
         target_ids = torch.zeros(batch * width, dtype=torch.int64, device=device)
         target_ids[flat_index] = row_argmax(logits)
         choose = accept_all if rule == BENCHMARK_ACCEPT_ALL else verify_greedy
+        if rule == BENCHMARK_ACCEPT_ALL and benchmark_length is not None:
+            accepted = [min(d, benchmark_accepted(benchmark_length, _verify_steps(r))) for r, d in zip(requests, counts)]
+            num_drafts = torch.tensor(accepted, dtype=torch.int64).to(device, non_blocking=True)
         result = choose(target_ids.view(batch, width), drafts, num_drafts)
     else:
         probs = processed_probs(logits, metadata)
@@ -96,6 +110,11 @@ def verify_drafts(
     return SpeculativeOutput(
         result.output_token_ids, result.num_accepted, out_ids.view(batch, width, -1), out_values.view(batch, width, -1)
     )
+
+
+def _verify_steps(request: Request) -> int:
+    """Verify steps with drafts the request has had so far."""
+    return request.spec_usage.num_drafts if request.spec_usage is not None else 0
 
 
 def _outputs_after_drafts(request: Request, i: int) -> list[int]:

@@ -26,6 +26,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -122,6 +123,13 @@ def accept_all(target_ids: torch.Tensor, draft_token_ids: torch.Tensor, num_draf
     """BENCHMARK-ONLY (config refuses it without an explicit opt-in; not lossless): every draft is
     accepted and the bonus token is the target's argmax after the last one."""
     return _emit(draft_token_ids, num_drafts, target_ids.gather(1, num_drafts.unsqueeze(1)).squeeze(1))
+
+
+def benchmark_accepted(length: float, step: int) -> int:
+    """BENCHMARK-ONLY: drafts accepted at a request's verify step `step` (0, 1, ...) so that the
+    mean acceptance length (accepted + 1) over its steps is `length`: the whole steps of the
+    running total (length - 1) * steps, e.g. 2, 3, 2, 3, ... for 3.5."""
+    return math.floor((step + 1) * (length - 1) + 1e-9) - math.floor(step * (length - 1) + 1e-9)
 
 
 # ------------------------------------------------------------------------------ internals
