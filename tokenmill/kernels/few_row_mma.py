@@ -1,5 +1,6 @@
-"""Few-row matmul on tensor cores: y = x @ (W * scale).T (+ b) for x [M, K] with 2 <= M <= 16,
-the shape of a verify step (1 + γ rows), a draft's catch-up, or decode at a small batch.
+"""Few-row matmul on tensor cores: y = x @ (W * scale).T (+ b) for x [M, K] with M <= 16 (the
+engine uses it from M = 2): a verify step's 1 + γ rows, a bf16 draft's catch-up, decode at a
+small batch.
 
 Like the one-row kernel (gemv.py) it is a stream over W's bytes, but the products run on the
 tensor cores: each program owns BLOCK_N rows of W and computes W_tile @ x^T ([BLOCK_N, BLOCK_K]
@@ -28,7 +29,7 @@ MMA_ROWS = 16  # x's rows padded to the MMA's narrow side; the most one launch t
 
 def few_row_mma_tile(n: int, k: int) -> GemvTile:
     """The tile the H200 sweep found best per projection shape (benchmarks/RESULTS.md, 2026-12-01
-    late), generalised by size: wide programs for the wide weights, narrow ones (more of them,
+    later), generalised by size: wide programs for the wide weights, narrow ones (more of them,
     deeper pipelines) for the small."""
     if interpreting():
         return GemvTile(16, 32, 1, 1)
