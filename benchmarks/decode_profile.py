@@ -8,8 +8,8 @@
            (draft) FP8 weights, every weight cycled through copies
            larger than L2; GB/s and ratio to the copy rate.
   routes   the captured decode step at batch 1 to 16 (context 512): replay time of the engine
-           against engines with one route switched back (multi-row projections on cuBLAS
-           instead of the tensor-core kernel); ratios are of engine time to the alternative's.
+           against one with 2-16 rows on cuBLAS instead of the tensor-core kernel (interleaved;
+           batch 1, the same kernels in both, is the control); ratio of engine time to it.
   kernels  one captured decode step (context 128, and 32k with FP8 KV) under the profiler:
            device time per kernel family, their sum against the replay's wall time (the
            gaps between kernels), and the engine's tok/s against the bare replay rate (what
@@ -23,14 +23,13 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
-import contextlib
 import functools
 import json
 import os
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -175,39 +174,32 @@ def bench_kernels(config_dir: str, copy_gbs: float) -> None:
         torch.cuda.empty_cache()
 
 
-@contextlib.contextmanager
-def route_variant(name: str) -> Iterator[None]:
-    """An engine captured inside takes the named alternative to one of its kernel routes."""
+def routes_engine(config_dir: str, cublas_rows: bool) -> LLM:
+    """An engine with the tensor-core kernel for 2-16 rows, or (cublas_rows) one captured with
+    that kernel declared unsuitable for every shape, so those rows go to cuBLAS."""
     import tokenmill.kernels.few_row_mma as mma
 
-    owner, attribute, replacement = {
-        "engine": (None, "", None),
-        "cuBLAS for 2-16 rows": (mma, "few_row_mma_suits", lambda n, k: False),
-    }[name]
-    original = getattr(owner, attribute, None)
-    if owner is not None:
-        setattr(owner, attribute, replacement)
+    suits = mma.few_row_mma_suits
+    if cublas_rows:
+        mma.few_row_mma_suits = lambda n, k: False
     try:
-        yield
+        return LLM(config_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=16,
+                   kv_cache_bytes=4 << 30)
     finally:
-        if owner is not None:
-            setattr(owner, attribute, original)
+        mma.few_row_mma_suits = suits
 
 
 def bench_routes(config_dir: str, rounds: int = 5) -> None:
-    """Decode-step replay at a few batch sizes: the engine's kernel routes against the
-    alternatives they replaced (each an engine captured with one route switched back). All
-    engines are alive at once and their replays interleaved, round after round (medians), so
-    clock drift falls on every variant alike; batch 1 runs the same kernels in every variant,
-    so its ratio is the measurement's own bias."""
+    """Decode-step replay at a few batch sizes: the engine against one captured with 2-16 rows on
+    cuBLAS, the route the tensor-core kernel replaced. Both engines are alive at once and their
+    replays interleaved, round after round (medians), so clock drift falls on both alike; batch 1
+    runs the same kernels in both, so its ratio is the measurement's own bias."""
     batches, context = (1, 2, 4, 8, 16), 512
     variants = ("engine", "cuBLAS for 2-16 rows")
-    replays: dict[tuple[str, int], Callable[[], None]] = {}
+    replays: dict[tuple[str, int], Callable[[], float]] = {}
     engines = []
     for variant in variants:
-        with route_variant(variant):
-            llm = LLM(config_dir, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=16,
-                      kv_cache_bytes=4 << 30)
+        llm = routes_engine(config_dir, cublas_rows=variant != "engine")
         engines.append(llm)
         runner = llm.engine.runner
         blocks = context // runner.block_size
@@ -218,7 +210,7 @@ def bench_routes(config_dir: str, rounds: int = 5) -> None:
     for _ in range(rounds):
         for key, replay in replays.items():
             samples[key].append(replay())
-    print(f"\n## decode step replay, context {context}: the engine against each replaced route "
+    print(f"\n## decode step replay, context {context}: the engine against 2-16 rows on cuBLAS "
           f"(median of {rounds} interleaved rounds)")
     for batch in batches:
         engine = statistics.median(samples["engine", batch])
