@@ -3,6 +3,7 @@ the dequantized weight's, tied embeddings left alone."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -35,6 +36,20 @@ def test_product_equals_the_dequantized_weights() -> None:
     bf16 = Linear(48, 20, bias=True, dtype=torch.bfloat16)
     bf16.quantize_fp8_()
     assert bf16(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_a_weight_wider_than_a_slab_is_dequantized_slab_by_slab(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows beyond DEQUANT_ROWS (and a last, partial slab) give the whole dequantized weight's
+    product, bias included, for 2-D and 3-D x."""
+    import tokenmill.layers.linear as linear
+
+    monkeypatch.setattr(linear, "DEQUANT_ROWS", 8)
+    torch.manual_seed(3)
+    layer = Linear(24, 21, bias=True)
+    layer.quantize_fp8_()
+    for x in (torch.randn(5, 24), torch.randn(2, 3, 24)):
+        expected = torch.nn.functional.linear(x, layer.dequantized_weight(), layer.bias)
+        torch.testing.assert_close(layer(x), expected, rtol=1e-6, atol=1e-6)
 
 
 class TiedModel(nn.Module):

@@ -4,7 +4,7 @@ FMA kernel (gemv.py) for one row, the tensor-core one (few_row_mma.py) for up to
 
 A weight may be FP8 E4M3 with a float32 scale per output row (`quantize_fp8_`, weight-only:
 activations stay in the model's dtype). The kernels read the FP8 bytes; elsewhere (CPU, or more
-rows than the kernels take) the weight is dequantized for the call.
+rows than the kernels take) the weight is dequantized for the call, a slab of rows at a time.
 """
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ FMA_ROWS = 1
 accumulators); FP8 weights go through it up to all the rows it takes (gemv.MAX_ROWS), since the
 tensor-core kernel widens FP8 slowly. Above these, up to the tensor-core kernel's MMA_ROWS, the
 tensor-core kernel where it beats cuBLAS (FP8: always); above that torch's matmul (cuBLAS)."""
+
+
+DEQUANT_ROWS = 4096
+"""Rows of an FP8 weight widened at once where no kernel reads it (CPU, more rows of x than the
+kernels take): a slab of 4096 x K float32, not the whole weight."""
 
 
 class Linear(nn.Linear):
@@ -42,8 +47,19 @@ class Linear(nn.Linear):
             if x.shape[0] <= MMA_ROWS and (fp8 or few_row_mma_suits(*self.weight.shape)):
                 return few_row_mma(x, self.weight, self.bias, weight_scale=self.weight_scale)
         if fp8:
-            return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
+            return self._dequantized_linear(x)
         return F.linear(x, self.weight, self.bias)
+
+    def _dequantized_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T for an FP8 weight, dequantized DEQUANT_ROWS rows at a time: a whole float32
+        copy of a draft's head would be a transient of a gigabyte that the start-up memory
+        profile (the target's largest step) never saw."""
+        out = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
+        for start in range(0, self.out_features, DEQUANT_ROWS):
+            rows = slice(start, start + DEQUANT_ROWS)
+            weight = (self.weight[rows].float() * self.weight_scale[rows, None]).to(x.dtype)
+            out[..., rows] = F.linear(x, weight, None if self.bias is None else self.bias[rows])
+        return out
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight as float32 (an FP8 weight times its row scales)."""
