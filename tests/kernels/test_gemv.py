@@ -6,6 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_cases import on_cpu, on_gpu
+from matmul_checks import (
+    assert_dependent_launch_reads_x_after_its_producer,
+    assert_every_fp8_code_is_read_exactly,
+    assert_every_row_matches_linear,
+)
 
 from tokenmill.kernels.few_row_mma import MMA_ROWS, few_row_mma
 from tokenmill.kernels.gemv import MAX_ROWS, GemvTile, gemv, gemv_ref
@@ -66,64 +71,19 @@ def test_gemv_tiles_agree(tile: GemvTile) -> None:
     ],
 )
 def test_every_row_matches_linear(rows: int, n: int, k: int, fp8: bool, dtype: torch.dtype, device: str) -> None:
-    """Each row of x gets its own product with the one stream of W; FP8 rows are scaled by their scale."""
-    torch.manual_seed(4)
-    x = torch.randn(rows, k, device=device, dtype=dtype)
-    weight = 0.05 * torch.randn(n, k, device=device)
-    bias = torch.randn(n, device=device, dtype=dtype)
-    weight, scale = fp8_rows(weight) if fp8 else (weight.to(dtype), None)
-    expected = gemv_ref(x, weight, bias, scale)
-    actual = gemv(x, weight, bias, weight_scale=scale)
-    assert actual.shape == (rows, n) and actual.dtype == dtype
-    for row in range(rows):  # no row is another's: each is checked against its own reference
-        scale_of_row = expected[row].abs().max().item()
-        tol = 1e-5 * max(1.0, scale_of_row) if dtype == torch.float32 else 2e-2 * scale_of_row
-        torch.testing.assert_close(actual[row].float(), expected[row], rtol=0, atol=tol)
+    assert_every_row_matches_linear(gemv, rows, n, k, fp8, dtype, device)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs sm_90")
 @pytest.mark.parametrize("n,k", [(4096, 4096), (2048, 2048), (4096, 14336), (1000, 3000)])
 def test_dependent_launch_reads_x_only_after_its_producer(n: int, k: int) -> None:
-    """Launched as a programmatic dependent of the norm that writes x (which lets it start at
-    once), the matmul equals a plain launch bit for bit, in a CUDA graph as on a stream."""
-    from tokenmill.kernels.rms_norm import fused_add_rms_norm
-
-    torch.manual_seed(3)
-    residual = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    weight = (0.05 * torch.randn(n, k, device="cuda")).to(torch.bfloat16)
-    norm = torch.rand(k, device="cuda", dtype=torch.bfloat16)
-
-    def step(pdl: bool) -> torch.Tensor:
-        outputs = []
-        for i in range(8):  # each x differs and is written by the kernel just before the matmul
-            x, _ = fused_add_rms_norm(residual * (i + 1), residual, norm, 1e-5)
-            outputs.append(gemv(x, weight, pdl=pdl))
-        return torch.cat(outputs)
-
-    plain = step(False)
-    assert torch.equal(step(True), plain)
-    graph = torch.cuda.CUDAGraph()
-    step(True)
-    with torch.cuda.graph(graph):
-        captured = step(True)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, plain)
+    assert_dependent_launch_reads_x_after_its_producer(gemv, 1, n, k)
 
 
 @pytest.mark.parametrize("device", [on_cpu(id="interpreter"), on_gpu(id="cuda")])
 def test_every_fp8_code_is_read_exactly(device: str) -> None:
-    """W holds each of the 254 finite E4M3 codes (subnormals, both zeros, 448); one-hot rows of x
-    pick them out one by one: each product is the code's value times its row scale, exactly."""
-    codes = torch.arange(256, dtype=torch.uint8).view(2, 128).clone()
-    codes[codes & 0x7F == 0x7F] = 0  # the two NaN codes
-    weight = codes.view(torch.float8_e4m3fn).to(device)
-    scale = torch.tensor([0.5, 3.0], device=device)
-    expected = weight.float() * scale[:, None]  # [2, 128]: what row n gives for x = e_j
-    for first in range(0, 128, MAX_ROWS):
-        x = torch.eye(128, device=device)[first : first + MAX_ROWS]
-        assert torch.equal(gemv(x, weight, weight_scale=scale), expected[:, first : first + MAX_ROWS].T)
+    assert_every_fp8_code_is_read_exactly(gemv, MAX_ROWS, torch.float32, device)
 
 
 def test_gemv_refuses_bad_shapes_and_scales() -> None:

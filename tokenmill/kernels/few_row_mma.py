@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from tokenmill.kernels._common import FP8_DTYPE, dependent_launch, interpreting, mm
-from tokenmill.kernels.gemv import GemvTile
+from tokenmill.kernels._common import dependent_launch, interpreting, mm
+from tokenmill.kernels.gemv import GemvTile, check_operands
 
 MMA_ROWS = 16  # x's rows padded to the MMA's narrow side; the most one launch takes
 
@@ -93,15 +93,9 @@ def few_row_mma(
     M <= MMA_ROWS. weight_scale (float32 [N]) is required for FP8 weights and refused otherwise.
     pdl (default: where the device has it) launches it as a programmatic dependent of the kernel
     before it."""
+    check_operands("few_row_mma", x, weight, weight_scale, MMA_ROWS)
     n, k = weight.shape
     rows = x.shape[0]
-    if x.dim() != 2 or not 1 <= rows <= MMA_ROWS or x.shape[1] != k or weight.stride(1) != 1 or x.stride(1) != 1:
-        raise ValueError(f"few_row_mma takes x [M <= {MMA_ROWS}, K] and a row-major weight [N, K]; "
-                         f"got {tuple(x.shape)}, {tuple(weight.shape)}")
-    if (weight.dtype == FP8_DTYPE) != (weight_scale is not None):
-        raise ValueError("FP8 weights need a float32 weight_scale per output row, and only FP8 weights take one")
-    if weight_scale is not None and (weight_scale.shape != (n,) or weight_scale.dtype != torch.float32):
-        raise ValueError(f"weight_scale must be float32 [{n}], got {weight_scale.dtype} {tuple(weight_scale.shape)}")
     if weight_scale is None and weight.dtype != x.dtype:
         raise ValueError(f"weight ({weight.dtype}) and x ({x.dtype}) must share a dtype unless the weight is FP8")
     tile = tile or few_row_mma_tile(n, k)

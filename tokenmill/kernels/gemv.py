@@ -167,15 +167,9 @@ def gemv(
     M <= MAX_ROWS. weight_scale (float32 [N]) is required for FP8 weights and refused otherwise.
     pdl (default: where the device has it) launches it as a programmatic dependent of the kernel
     before it."""
+    check_operands("gemv", x, weight, weight_scale, MAX_ROWS)
     n, k = weight.shape
     rows = x.shape[0]
-    if x.dim() != 2 or not 1 <= rows <= MAX_ROWS or x.shape[1] != k or weight.stride(1) != 1 or x.stride(1) != 1:
-        raise ValueError(f"gemv takes x [M <= {MAX_ROWS}, K] and a row-major weight [N, K]; "
-                         f"got {tuple(x.shape)}, {tuple(weight.shape)}")
-    if (weight.dtype == FP8_DTYPE) != (weight_scale is not None):
-        raise ValueError("FP8 weights need a float32 weight_scale per output row, and only FP8 weights take one")
-    if weight_scale is not None and (weight_scale.shape != (n,) or weight_scale.dtype != torch.float32):
-        raise ValueError(f"weight_scale must be float32 [{n}], got {weight_scale.dtype} {tuple(weight_scale.shape)}")
     tile = tile or gemv_tile(n, k, rows, weight.dtype == FP8_DTYPE)
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     pdl = dependent_launch(x.device) if pdl is None else pdl
@@ -187,6 +181,21 @@ def gemv(
         PDL=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
     )
     return y
+
+
+def check_operands(
+    kernel: str, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, max_rows: int
+) -> None:
+    """Refuse what a few-row kernel cannot take: x other than [M <= max_rows, K] or not row-major,
+    a weight not row-major, an FP8 weight without its float32 row scales or a scale without one."""
+    n, k = weight.shape
+    if x.dim() != 2 or not 1 <= x.shape[0] <= max_rows or x.shape[1] != k or weight.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError(f"{kernel} takes x [M <= {max_rows}, K] and a row-major weight [N, K]; "
+                         f"got {tuple(x.shape)}, {tuple(weight.shape)}")
+    if (weight.dtype == FP8_DTYPE) != (weight_scale is not None):
+        raise ValueError("FP8 weights need a float32 weight_scale per output row, and only FP8 weights take one")
+    if weight_scale is not None and (weight_scale.shape != (n,) or weight_scale.dtype != torch.float32):
+        raise ValueError(f"weight_scale must be float32 [{n}], got {weight_scale.dtype} {tuple(weight_scale.shape)}")
 
 
 def gemv_ref(

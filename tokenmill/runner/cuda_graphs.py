@@ -29,6 +29,16 @@ from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.runner.batch import to_device
 
+logger = logging.getLogger(__name__)
+
+CONTEXT_BUCKETS = (256, 1024, 4096)
+# Verify steps are captured up to this many tokens per step (vLLM's default capture limit).
+MAX_CAPTURED_TOKENS = 512
+# A padded step may cost this many tokens whatever its real count: on an H200 an 8B-shape step
+# of 80 tokens takes 1.09x a one-token step (benchmarks/RESULTS.md), while an eager step pays
+# the host's launches.
+PADDING_FREE_TOKENS = 128
+
 
 @dataclass
 class PaddedStep:
@@ -36,18 +46,6 @@ class PaddedStep:
     positions: torch.Tensor
     metadata: AttentionMetadata  # every request adds query_len tokens
     real_rows: torch.Tensor  # the padded rows that are the step's own, in the unpadded order
-
-logger = logging.getLogger(__name__)
-
-CONTEXT_BUCKETS = (256, 1024, 4096)
-# Verify steps are captured up to this many tokens per step (vLLM's default capture limit).
-MAX_CAPTURED_TOKENS = 512
-
-
-# A padded step may cost this many tokens whatever its real count: on an H200 an 8B-shape step
-# of 80 tokens takes 1.09x a one-token step (benchmarks/RESULTS.md), while an eager step pays
-# the host's launches.
-PADDING_FREE_TOKENS = 128
 
 
 def context_buckets(max_model_len: int) -> list[int]:

@@ -79,11 +79,13 @@ def verify_drafts(
         # The target's choice at each position is its logits' argmax: no distributions needed.
         target_ids = torch.zeros(batch * width, dtype=torch.int64, device=device)
         target_ids[flat_index] = row_argmax(logits)
-        choose = accept_all if rule == BENCHMARK_ACCEPT_ALL else verify_greedy
-        if rule == BENCHMARK_ACCEPT_ALL and benchmark_length is not None:
-            accepted = [min(d, benchmark_accepted(benchmark_length, _verify_steps(r))) for r, d in zip(requests, counts)]
-            num_drafts = torch.tensor(accepted, dtype=torch.int64).to(device, non_blocking=True)
-        result = choose(target_ids.view(batch, width), drafts, num_drafts)
+        if rule != BENCHMARK_ACCEPT_ALL:
+            result = verify_greedy(target_ids.view(batch, width), drafts, num_drafts)
+        else:
+            taken = num_drafts if benchmark_length is None else torch.tensor(
+                [min(d, benchmark_accepted(benchmark_length, _verify_steps(r))) for r, d in zip(requests, counts)],
+                dtype=torch.int64).to(device, non_blocking=True)
+            result = accept_all(target_ids.view(batch, width), drafts, taken)
     else:
         probs = processed_probs(logits, metadata)
         target = torch.zeros(batch * width, probs.shape[-1], dtype=torch.float32, device=device)
