@@ -96,7 +96,7 @@ def other_variants():
                     EMULATE_ROUNDING=False), 4, 1)
     for n, k, rows, weight in ((6144, 4096, 1, "bf16"), (4096, 14336, 1, "bf16"), (3072, 2048, 1, "bf16"),
                                (6144, 4096, 5, "bf16"), (4096, 14336, 8, "bf16"), (16384, 2048, 1, "fp8e4nv"),
-                               (2048, 8192, 2, "fp8e4nv")):
+                               (2048, 8192, 1, "fp8e4nv"), (2048, 8192, 2, "fp8e4nv")):
         tile = gemv_tile(n, k, rows, weight != "bf16")
         types = {"x_ptr": "*bf16", "w_ptr": f"*{weight}", "scale_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16"}
         yield (f"gemv {n}x{k} {weight} rows={rows} (dependent launch)", _gemv_kernel, types,

@@ -205,6 +205,28 @@ def test_rows_outside_every_request_are_untouched(device, num_splits) -> None:
     assert torch.all(out[2:] == 7.0) and not torch.any(out[:2] == 7.0)
 
 
+def test_h200_plans_split_batch_one_past_256_keys_into_single_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plans a captured 8B step gets on an H200 (132 multiprocessors): at batch 1 no split up
+    to 256 keys (one program per KV head streams them in 128-key tiles), beyond that a split per
+    64-key tile (decode and a verify step's rows alike); at batch 16 the grid is full first."""
+    from tokenmill.kernels import attention
+
+    monkeypatch.setattr(attention, "interpreting", lambda: False)
+    monkeypatch.setattr(attention, "sm_count", lambda device: 132)
+
+    def plan(requests: int, rows: int, keys: int):
+        return plan_attention(num_tokens=requests * rows, num_requests=requests, max_query_len=rows, max_seq_len=keys,
+                              num_heads=32, num_kv_heads=8, head_dim=128, device=torch.device("cuda"))
+
+    short = plan(1, 1, 256)
+    assert (short.num_splits, short.block_n) == (1, 128)
+    for keys, splits in ((512, 8), (1024, 16), (32768, MAX_SPLITS)):
+        decode = plan(1, 1, keys)
+        assert (decode.num_splits, decode.block_n, decode.min_split_tiles) == (splits, 64, 1)
+    assert plan(1, 5, 256).num_splits == 1 and plan(1, 5, 512).num_splits == 8
+    assert plan(16, 1, 2048).num_splits == 5  # 16 x 8 programs: four waves need five splits
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRETING or not torch.cuda.is_available(), reason="needs CUDA")
 def test_forward_does_not_synchronise() -> None:

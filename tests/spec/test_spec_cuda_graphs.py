@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from no_host_sync import forbid_host_reads
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.runner.cuda_graphs import StepGraphs
@@ -82,6 +83,50 @@ def test_fp8_draft_under_graphs_is_exact(model_dir: Path, reference, graph_runs:
     assert llm.engine.proposer.draft.model.lm_head.weight.dtype == torch.float8_e4m3fn
     assert llm.engine.spec_stats.mean_acceptance_length > 3.0
     assert graph_runs["draft decode"] > 0 and graph_runs["draft catch-up"] > 0
+
+
+def test_followed_catch_up_runs_behind_the_verify_without_reading_it(
+    model_dir: Path, reference, graph_runs: Counter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under graphs the next catch-up is launched behind each verify step from the device's copy
+    of its result, reading nothing on the host; proposals draft from its logits (equal to a
+    catch-up run after the host appended the tokens) and the output is plain decoding's."""
+    from tokenmill.spec.draft_model import DraftModelProposer, _FollowedCatchUp
+
+    follow, logits_for, propose = DraftModelProposer.follow, _FollowedCatchUp.logits_for, DraftModelProposer.propose
+    proposers: list[DraftModelProposer] = []
+    served = proposals = 0
+
+    def guarded_follow(self, step):
+        with pytest.MonkeyPatch.context() as patch:
+            forbid_host_reads(patch, "follow")
+            follow(self, step)
+
+    def recorded(self, requests, limits):
+        nonlocal proposals
+        proposers[:] = [self]
+        proposals += 1
+        return propose(self, requests, limits)
+
+    def checked(self, requests):
+        nonlocal served
+        logits = logits_for(self, requests)
+        if logits is not None:
+            drafted_from = logits.clone()  # the catch-up below replays the same graph into the same buffer
+            tables = [proposers[0].kv.block_tables[r.request_id] for r in requests]
+            torch.testing.assert_close(drafted_from, proposers[0]._catch_up(requests, tables), rtol=1e-4, atol=1e-4)
+            served += 1
+        return logits
+
+    monkeypatch.setattr(DraftModelProposer, "follow", guarded_follow)
+    monkeypatch.setattr(DraftModelProposer, "propose", recorded)
+    monkeypatch.setattr(_FollowedCatchUp, "logits_for", checked)
+    tokens, llm = generate(model_dir, speculative_config={"method": "draft_model", "model": str(model_dir),
+                                                          "num_speculative_tokens": 4})
+    assert tokens == reference
+    # Every proposal but the first (after the prefill) drafts from a followed catch-up; each
+    # replayed the catch-up graph once to serve and once more to be checked.
+    assert served == proposals - 1 >= 5 and graph_runs["draft catch-up"] >= 2 * served
 
 
 def test_ngram_under_graphs_is_exact(model_dir: Path, reference, graph_runs: Counter) -> None:

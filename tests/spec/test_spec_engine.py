@@ -160,6 +160,42 @@ def test_greedy_drafts_and_their_verification_never_read_the_device(
     assert {"drafting", "verification"} <= set(guarded_calls)
 
 
+def test_a_followed_catch_up_gives_the_catch_ups_logits(
+    draft_dir: Path, reference: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The catch-up launched behind each verify step (its tokens chosen from the verify's result
+    on the device) drafts from the same logits as the catch-up computed after the host appended
+    the accepted tokens; it serves every proposal but the first, also once requests of its batch
+    have finished (a subset of its rows), and the output is plain decoding's."""
+    from tokenmill.spec.draft_model import _FollowedCatchUp
+
+    llm = spec_llm(method="draft_model", model=str(draft_dir), num_speculative_tokens=4, draft_sampling="greedy")
+    proposer = llm.engine.proposer
+    served: list[tuple[int, int]] = []  # (requests proposed for, rows the followed catch-up had)
+    proposals = 0
+    logits_for = _FollowedCatchUp.logits_for
+    propose = type(proposer).propose
+
+    def counted(self, requests, limits):
+        nonlocal proposals
+        proposals += 1
+        return propose(self, requests, limits)
+
+    def checked(self: _FollowedCatchUp, requests):
+        logits = logits_for(self, requests)
+        if logits is not None:
+            tables = [proposer.kv.block_tables[r.request_id] for r in requests]
+            torch.testing.assert_close(logits, proposer._catch_up(requests, tables), rtol=1e-4, atol=1e-4)
+            served.append((len(requests), len(self.rows)))
+        return logits
+
+    monkeypatch.setattr(type(proposer), "propose", counted)
+    monkeypatch.setattr(_FollowedCatchUp, "logits_for", checked)
+    assert greedy(llm) == reference
+    assert len(served) == proposals - 1 > 10  # the first proposal has no verify step before it
+    assert any(n < rows for n, rows in served) and any(n == rows == len(PROMPTS) for n, rows in served)
+
+
 def first_two_tokens(llm: LLM, n: int) -> Counter:
     # max_tokens=3: after the first token (sampled at prefill) one draft is verified, so the
     # second token is the output of verification (accepted draft or residual sample).

@@ -21,6 +21,12 @@ MAX_SPLITS = 64
 DECODE_WAVES = 4
 PREFILL_WAVES = 1
 SHORT_DECODE_KEYS = 256
+# Fewest keys of the longest request per split on a GPU, once it has more than
+# SHORT_DECODE_KEYS (up to those, one program per head streams them all: the short sweep). At
+# batch 1 a split is a chain of dependent memory round trips, one per tile: 64 keys (one tile)
+# rather than 256 made the 8B decode step 3.5% faster at 512 keys and the 1B draft's 10%, and
+# changed nothing at batch 16 (benchmarks/RESULTS.md, 2026-12-01 evening).
+MIN_SPLIT_KEYS = 64
 
 
 @dataclass(frozen=True)
@@ -55,8 +61,9 @@ def plan_attention(
 ) -> AttentionPlan:
     """Choose the launch. `num_splits` forces the split count; otherwise splits are added while
     the grid is short of the waves above and each split keeps at least `min_split_tokens` keys
-    of the longest request. On device a split also takes at least `min_split_tokens` keys of its
-    own request, so a plan made for long requests (a captured graph) wastes little on short ones."""
+    of the longest request (on a GPU, no split up to SHORT_DECODE_KEYS keys). On device a split
+    also takes at least `min_split_tokens` keys of its own request, so a plan made for long
+    requests (a captured graph) wastes little on short ones."""
     on_gpu = device.type == "cuda" and not interpreting()
     group_p = next_pow2(num_heads // num_kv_heads)
     big_head = head_dim > 128
@@ -83,12 +90,12 @@ def plan_attention(
     num_tiles = num_tokens if block_q == 1 else num_tokens // block_q + num_requests
 
     if min_split_tokens is None:
-        min_split_tokens = 256 if on_gpu else 2 * block_n
+        min_split_tokens = MIN_SPLIT_KEYS if on_gpu else 2 * block_n
     if num_splits is None:
         programs = num_tiles * num_kv_heads
         waves = DECODE_WAVES if block_q == 1 else PREFILL_WAVES
         wanted = -(-waves * sm_count(device) // programs)
-        by_length = -(-max_seq_len // min_split_tokens)
+        by_length = 1 if on_gpu and max_seq_len <= SHORT_DECODE_KEYS else -(-max_seq_len // min_split_tokens)
         num_splits = max(1, min(wanted, by_length, max_splits))
     min_split_tiles = max(1, min_split_tokens // block_n)
     return AttentionPlan(block_q, block_m, block_n, num_splits, min_split_tiles, num_warps, num_stages, num_tiles)

@@ -59,6 +59,8 @@ def gemv_tile(n: int, k: int, rows: int = 1, fp8: bool = False) -> GemvTile:
         tile = GemvTile(8 if k <= 2048 else 16, 256, 4, 4)
     elif k >= 8192 and n >= 4096:  # down_proj: long rows, more programs
         tile = GemvTile(4, 512, 4, 4)
+    elif k >= 8192:  # a small model's down_proj (1B: 2048 x 8192): few rows, so long strips
+        tile = GemvTile(4, 2048, 4, 3)
     elif k <= 2048 or n < 4096:  # small (draft) models
         tile = GemvTile(8, 1024, 8, 3)
     elif n >= 6144:  # qkv_proj

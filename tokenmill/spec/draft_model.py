@@ -11,7 +11,7 @@ by lowering that count to the target's.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,7 +33,7 @@ from tokenmill.spec.draft_vocab import load_draft_vocab
 if TYPE_CHECKING:
     from tokenmill.engine.kv_cache import KVCacheManager
     from tokenmill.runner.cuda_graphs import StepGraphs
-    from tokenmill.runner.model_runner import ModelRunner
+    from tokenmill.runner.model_runner import ModelRunner, StepOutput
 
 class DraftModel:
     """The draft's weights, built before the target sizes its KV cache (so the memory profile
@@ -101,6 +101,11 @@ class DraftModelProposer:
     device for the verify step; the host reads them only when a request's penalties need each
     draft there. When nothing applies before the argmax (greedy drafting, no bans or
     penalties), a draft is its logits' argmax and no distribution is built.
+
+    In steady state the catch-up does not wait for the host: `follow` launches it right behind
+    the verify step, its two tokens (the last accepted one and the verify's own) chosen on the
+    device from the verify's result, so under CUDA graphs the device drafts while the host
+    reads that result; the proposal then starts from its logits.
     """
 
     def __init__(self, config: EngineConfig, draft: DraftModel, target: ModelRunner, kv: KVCacheManager) -> None:
@@ -115,8 +120,10 @@ class DraftModelProposer:
         self.greedy = config.speculative.draft_sampling == "greedy"
         self.scratch_slot = target.num_blocks * draft.block_size
         draft.allocate_kv(target.num_blocks + 1)
+        self.max_model_len = config.model.max_model_len
         self.decode_graphs: StepGraphs | None = None
         self.catch_up_graphs: StepGraphs | None = None
+        self._followed: _FollowedCatchUp | None = None
         if target.graphs:
             max_batch = target.graphs[0].max_batch
             self.decode_graphs = target.step_graphs(draft.model, max_batch, 1, "draft decode")
@@ -126,6 +133,7 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> None:
+        followed, self._followed = self._followed, None  # serves the proposal right after its verify step only
         kept = [(r, limit) for r, limit in zip(requests, limits) if self._reserve(r, limit)]
         if not kept:
             return
@@ -137,7 +145,9 @@ class DraftModelProposer:
         probs: list[torch.Tensor | None] = []  # per step; None where every row drafted its argmax
         host_drafts = any(r.params.uses_penalties for r in requests)  # penalties count every draft
         drafted: list[list[int]] = [[] for _ in requests]  # host copies, kept only under penalties
-        logits = self._catch_up(requests, tables)
+        logits = None if followed is None else followed.logits_for(requests)
+        if logits is None:
+            logits = self._catch_up(requests, tables)
         # Built while the device runs the catch-up step.
         steps = _DecodeSteps(requests, tables, limits, self.draft.block_size, self.scratch_slot, device)
         metadata, banned = None, None
@@ -193,6 +203,57 @@ class DraftModelProposer:
         hidden = model(ids, positions, metadata)
         return model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1])
 
+    @torch.inference_mode()
+    def follow(self, step: StepOutput) -> None:
+        """Launch the next proposal's catch-up behind a verify step, on the device's copy of its
+        result: request b, which had L tokens and accepted a of its drafts, feeds the tokens at
+        positions L + a - 1 and L + a (the last accepted token, or its last known one, and the
+        verify's correction or bonus). For the requests that had drafts and a slot for that
+        token, when the catch-up graph fits them (on a CPU, where reading the lengths back costs
+        nothing, it runs eagerly)."""
+        self._followed = None
+        size, graphs = self.draft.block_size, self.catch_up_graphs
+        if graphs is None and self.draft.device.type != "cpu":
+            return
+        batch_rows = [b for b, r in enumerate(step.requests) if r.drafts.count and self._verify_slot_reserved(r)]
+        if not batch_rows or graphs is not None and not graphs.fits(len(batch_rows), 2):
+            return
+        requests = [step.requests[b] for b in batch_rows]
+        device = self.draft.device
+        emitted = step.sampled.sampled_token_ids  # [B, G + 1]: accepted drafts, then one token; -1 after
+        if len(batch_rows) < len(step.requests):
+            emitted = emitted[to_device(batch_rows, torch.int64, device)]
+        known, last = to_device([[r.num_tokens for r in requests], [r.all_token_ids[-1] for r in requests]],
+                                torch.int64, device)
+        accepted = (emitted >= 0).sum(dim=1) - 1
+        candidates = torch.cat([last[:, None], emitted.clamp_min(0)], dim=1)
+        columns = accepted[:, None] + torch.arange(2, device=device)
+        flat, width = flat_block_tables([self.kv.block_tables[r.request_id] for r in requests])
+        block_tables = to_device(flat, torch.int32, device).view(len(requests), width)
+        positions = known[:, None] - 1 + columns
+        slots = block_tables.gather(1, (positions // size).int()).long() * size + positions % size
+        seq_lens = (known + accepted + 1).int()
+        metadata = AttentionMetadata(
+            query_start_loc=torch.arange(0, 2 * len(requests) + 1, 2, dtype=torch.int32, device=device),
+            seq_lens=seq_lens, block_tables=block_tables, slot_mapping=slots.view(-1),
+            query_lens_host=[2] * len(requests),
+            # The graph's context bucket needs only a bound; an eager forward needs the lengths.
+            seq_lens_host=[r.num_tokens + r.drafts.count + 1 for r in requests] if graphs else seq_lens.tolist(),
+        )
+        ids = candidates.gather(1, columns).view(-1)
+        if graphs is not None:
+            logits = graphs.run(ids, positions.view(-1), metadata)[1::2]
+        else:
+            hidden = self.draft.model(ids, positions.view(-1), metadata)
+            logits = self.draft.model.compute_logits(hidden[1::2])
+        self._followed = _FollowedCatchUp(
+            logits, {r.request_id: (b, r.num_tokens, r.num_tokens + r.drafts.count + 1) for b, r in enumerate(requests)})
+
+    def _verify_slot_reserved(self, request: Request) -> bool:
+        """Whether the verify step's own token has a slot (position L + drafts, within the context)."""
+        position = request.num_tokens + request.drafts.count
+        return position < self.max_model_len and position < len(self.kv.block_tables[request.request_id]) * self.draft.block_size
+
     def _decode(self, ids: torch.Tensor, step: tuple[torch.Tensor, AttentionMetadata]) -> torch.Tensor:
         positions, metadata = step
         if self.decode_graphs is not None and self.decode_graphs.fits(metadata.num_requests, 1):
@@ -203,8 +264,10 @@ class DraftModelProposer:
         pass  # per-request state lives on the Request
 
     def _reserve(self, request: Request, limit: int) -> bool:
-        """Room in the shared block table for the drafts' positions (False: draft nothing)."""
-        return limit > 0 and self.kv.allocate_slots(request, request.num_tokens - request.num_computed_tokens + limit)
+        """Room in the shared block table for the drafts' positions and, within the context, one
+        more: the verify's own token, which a followed catch-up writes (False: draft nothing)."""
+        ahead = 1 if request.num_tokens + limit < self.max_model_len else 0
+        return limit > 0 and self.kv.allocate_slots(request, request.num_tokens - request.num_computed_tokens + limit + ahead)
 
     def _row(self, request: Request, drafted: list[int], banned: list[int]) -> SamplingRow:
         """Sampling inputs of a draft position (`drafted`: the drafts before it, under penalties)."""
@@ -223,6 +286,25 @@ class DraftModelProposer:
         else:
             full[:, : logits.shape[1]] = logits.float()
         return full
+
+
+@dataclass
+class _FollowedCatchUp:
+    logits: torch.Tensor  # [B, draft vocabulary]: after each request's verify token
+    rows: dict[str, tuple[int, int, int]]  # request id: (row, tokens before the verify, most tokens after it)
+
+    def logits_for(self, requests: Sequence[Request]) -> torch.Tensor | None:
+        """The rows of these requests, if it covered every one of them as they are now (resolved
+        from its verify step: L + 1 to L + drafts + 1 tokens); else None."""
+        rows = []
+        for r in requests:
+            row, known, most = self.rows.get(r.request_id, (-1, 0, 0))
+            if row < 0 or not known < r.num_tokens <= most:
+                return None
+            rows.append(row)
+        if rows == list(range(len(self.logits))):
+            return self.logits
+        return self.logits[to_device(rows, torch.int64, self.logits.device)]
 
 
 class _DecodeSteps:

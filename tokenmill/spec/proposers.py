@@ -12,12 +12,15 @@ from tokenmill.spec.ngram import NgramProposer
 
 if TYPE_CHECKING:
     from tokenmill.engine.kv_cache import KVCacheManager
-    from tokenmill.runner.model_runner import ModelRunner
+    from tokenmill.runner.model_runner import ModelRunner, StepOutput
 
 
 class Proposer(Protocol):
     def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> None:
         """Set each request's drafts (at most its limit of them)."""
+
+    def follow(self, step: StepOutput) -> None:
+        """Start on the next proposal behind a launched step, before the host reads its result."""
 
     def forget(self, request_id: str) -> None:
         """Drop any state kept for a request that finished or was aborted."""
@@ -33,6 +36,9 @@ class PromptLookupProposer:
         for request, limit in zip(requests, limits):
             ids = list(self.ngram.propose_request(request.request_id, request.all_token_ids, limit))
             request.drafts = Drafts(len(ids), host_ids=ids) if ids else NO_DRAFTS
+
+    def follow(self, step: StepOutput) -> None:
+        pass  # lookups need the accepted tokens on the host
 
     def forget(self, request_id: str) -> None:
         self.ngram.remove_request(request_id)

@@ -32,7 +32,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, num_splits: int | None = None, min_split_tokens: int | None = None) -> None:
         """num_splits: force the KV split count of every launch (None: chosen per batch).
-        min_split_tokens: fewest keys of the longest request per split (None: 256 on CUDA)."""
+        min_split_tokens: fewest keys of the longest request per split (None: 64 on CUDA)."""
         try:
             self._attention = importlib.import_module("tokenmill.kernels.attention")
             self._kv_cache = importlib.import_module("tokenmill.kernels.kv_cache")
