@@ -19,12 +19,14 @@ def test_steady_levels(fake, bench, tmp_path):
     data = json.loads(out.read_text())
     one, three = data["levels"]
     assert [lv["concurrency"] for lv in data["levels"]] == [1, 3]
-    # decode gaps are the server's interval; a stream restarts at once, so it decodes nearly all
-    # the time: OUTPUT tokens per (OUTPUT - 1) intervals plus a little request overhead
+    # decode gaps are the server's interval; a stream restarts at once, so it is always in a
+    # request: OUTPUT tokens per first-token wait plus (OUTPUT - 1) gaps, as measured (the wait
+    # is the client's and server's own overhead here, and grows on a loaded machine)
     assert abs(one["itl_ms"]["mean"] - INTERVAL * 1000) <= 0.05 * INTERVAL * 1000
     ceiling = OUTPUT / ((OUTPUT - 1) * INTERVAL)
     for lv in (one, three):
-        assert 0.85 * ceiling <= lv["per_stream_tps"]["mean"] <= 1.03 * ceiling
+        per_request = (lv["ttft_ms"]["mean"] + (OUTPUT - 1) * lv["itl_ms"]["mean"]) / 1000
+        assert 0.92 * OUTPUT / per_request <= lv["per_stream_tps"]["mean"] <= 1.03 * ceiling
         assert len(lv["total_tps"]["values"]) == 2  # one value per repeat
     assert abs(three["total_tps"]["mean"] - 3 * one["total_tps"]["mean"]) <= 0.08 * 3 * one["total_tps"]["mean"]
     assert abs(three["total_tps"]["mean"] - 3 * three["per_stream_tps"]["mean"]) < 1e-6

@@ -238,7 +238,8 @@ class DraftModelProposer:
             seq_lens=seq_lens, block_tables=block_tables, slot_mapping=slots.view(-1),
             query_lens_host=[2] * len(requests),
             # The graph's context bucket needs only a bound; an eager forward needs the lengths.
-            seq_lens_host=[r.num_tokens + r.drafts.count + 1 for r in requests] if graphs else seq_lens.tolist(),
+            seq_lens_host=[r.num_tokens + r.drafts.count + 1 for r in requests] if graphs is not None
+            else seq_lens.tolist(),
         )
         ids = candidates.gather(1, columns).view(-1)
         if graphs is not None:
