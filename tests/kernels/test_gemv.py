@@ -65,6 +65,7 @@ def test_gemv_tiles_agree(tile: GemvTile) -> None:
         on_gpu(5, 128256, 4096, False, torch.bfloat16, id="llama-head-verify"),
         on_gpu(8, 4096, 14336, False, torch.bfloat16, id="llama-down-8"),
         on_gpu(1, 16384, 2048, True, torch.bfloat16, id="1b-gate-up-fp8"),
+        on_gpu(1, 2048, 8192, True, torch.bfloat16, id="1b-down-fp8"),
         on_gpu(2, 2048, 8192, True, torch.bfloat16, id="1b-down-fp8-catch-up"),
         on_gpu(5, 32768, 2048, True, torch.bfloat16, id="draft-head-fp8"),
         on_gpu(3, 1000, 3000, True, torch.float16, id="ragged-fp8-f16"),

@@ -192,16 +192,24 @@ class DraftModelProposer:
     def _catch_up(self, requests: Sequence[Request], tables: Sequence[Sequence[int]]) -> torch.Tensor:
         """Draft logits after each request's last known token, computing the tokens the draft's
         cache lacks."""
-        model, graphs = self.draft.model, self.catch_up_graphs
+        graphs = self.catch_up_graphs
         behind = [len(r.all_token_ids) - r.draft_num_computed for r in requests]
         if graphs is not None and graphs.fits(len(requests), 2) and all(1 <= n <= 2 for n in behind):
             chunks = [Chunk(r.all_token_ids[-2:], len(r.all_token_ids) - 2, t) for r, t in zip(requests, tables)]
-            ids, positions, metadata = pack(chunks, self.draft.block_size, self.draft.device)
-            return graphs.run(ids, positions, metadata)[1::2]
+            return self._last_token_logits(*pack(chunks, self.draft.block_size, self.draft.device), graphed=True)
         chunks = [Chunk(r.all_token_ids[r.draft_num_computed :], r.draft_num_computed, t) for r, t in zip(requests, tables)]
-        ids, positions, metadata = pack(chunks, self.draft.block_size, self.draft.device)
-        hidden = model(ids, positions, metadata)
-        return model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1])
+        return self._last_token_logits(*pack(chunks, self.draft.block_size, self.draft.device), graphed=False)
+
+    def _last_token_logits(
+        self, ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, graphed: bool
+    ) -> torch.Tensor:
+        """Draft logits after each request's last row of a catch-up forward (graphed: two rows
+        each, replayed in the catch-up graph)."""
+        if graphed:
+            assert self.catch_up_graphs is not None
+            return self.catch_up_graphs.run(ids, positions, metadata)[1::2]
+        hidden = self.draft.model(ids, positions, metadata)
+        return self.draft.model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1])
 
     @torch.inference_mode()
     def follow(self, step: StepOutput) -> None:
@@ -242,11 +250,7 @@ class DraftModelProposer:
             else seq_lens.tolist(),
         )
         ids = candidates.gather(1, columns).view(-1)
-        if graphs is not None:
-            logits = graphs.run(ids, positions.view(-1), metadata)[1::2]
-        else:
-            hidden = self.draft.model(ids, positions.view(-1), metadata)
-            logits = self.draft.model.compute_logits(hidden[1::2])
+        logits = self._last_token_logits(ids, positions.view(-1), metadata, graphed=graphs is not None)
         self._followed = _FollowedCatchUp(
             logits, {r.request_id: (b, r.num_tokens, r.num_tokens + r.drafts.count + 1) for b, r in enumerate(requests)})
 

@@ -72,9 +72,9 @@ def verify_drafts(
     ]
     metadata = SamplingMetadata.build(rows, vocab_size, device)
     flat = [b * width + i for b, d in enumerate(counts) for i in range(d + 1)]
-    flat_index = torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)
+    flat_index = to_device(flat, torch.int64, device)
     drafts = _draft_id_matrix(requests, width - 1, device)
-    num_drafts = torch.tensor(counts, dtype=torch.int64).to(device, non_blocking=True)
+    num_drafts = to_device(counts, torch.int64, device)
     if rule == BENCHMARK_ACCEPT_ALL or metadata.plain_greedy:
         # The target's choice at each position is its logits' argmax: no distributions needed.
         target_ids = torch.zeros(batch * width, dtype=torch.int64, device=device)
@@ -82,9 +82,9 @@ def verify_drafts(
         if rule != BENCHMARK_ACCEPT_ALL:
             result = verify_greedy(target_ids.view(batch, width), drafts, num_drafts)
         else:
-            taken = num_drafts if benchmark_length is None else torch.tensor(
+            taken = num_drafts if benchmark_length is None else to_device(
                 [min(d, benchmark_accepted(benchmark_length, _verify_steps(r))) for r, d in zip(requests, counts)],
-                dtype=torch.int64).to(device, non_blocking=True)
+                torch.int64, device)
             result = accept_all(target_ids.view(batch, width), drafts, taken)
     else:
         probs = processed_probs(logits, metadata)
@@ -96,7 +96,7 @@ def verify_drafts(
                 draft_token_ids=drafts,
                 draft_probs=_draft_probs(requests, drafts, probs.shape[-1]),
                 num_drafts=num_drafts,
-                greedy=torch.tensor([r.params.greedy for r in requests]).to(device, non_blocking=True),
+                greedy=to_device([r.params.greedy for r in requests], torch.bool, device),
                 generators={b: r.generator for b, r in enumerate(requests) if r.generator is not None},
             )
         )
