@@ -95,12 +95,10 @@ def random_prompt(n: int, rng: random.Random) -> list[int]:
 
 def decode_rate(
     llm: LLM, prompt_len: int, new_tokens: int, batch: int = 1, seed: int = 0, prompt: list[int] | None = None,
-    first: int = 1,
 ) -> float:
-    """Decode tok/s (per batch) as (t(N+first) - t(first)) / N, so prefill is excluded. Prompts are
-    fresh random ones each run, or `prompt` every time (then prefix-cache hits cancel out too).
-    With a draft model, first=2 excludes the draft's own pass over the prompt as well: it runs
-    when the second token is drafted, never in a one-token run."""
+    """Decode tok/s (per batch) as (t(N+1) - t(1)) / N, so prefill is excluded (a draft model's pass
+    over the prompt too: it runs behind the target's prefill). Prompts are fresh random ones each
+    run, or `prompt` every time (then prefix-cache hits cancel out too)."""
     rng = random.Random(seed)
 
     def run(n: int) -> float:
@@ -113,8 +111,8 @@ def decode_rate(
         return time.perf_counter() - start
 
     run(4), run(4)  # the second warm-up takes the prefix-cache path a fixed prompt takes from then on
-    one = statistics.median(run(first) for _ in range(3))
-    many = statistics.median(run(new_tokens + first) for _ in range(3))
+    one = statistics.median(run(1) for _ in range(3))
+    many = statistics.median(run(new_tokens + 1) for _ in range(3))
     return batch * new_tokens / (many - one)
 
 

@@ -14,20 +14,30 @@ so a real draft's acceptance cannot be measured here; the figures are the machin
   - with --acceptance-length L, the accept-all parts accept by a fixed BENCHMARK-ONLY pattern
     of mean acceptance length L instead (e.g. 2, 3, 2, 3, ... drafts for 3.5; the rest rolled
     back as real rejections are), so the rate at a given acceptance length is measured, not
-    only bounded.
+    only bounded;
+  - cycle: one long request's steady state (the 32k-vocabulary draft, the first gamma of
+    --vocab-gammas) timed by CUDA events around every graph replay: device time in each graph
+    and between them per cycle, and the rate that steady state gives against no speculation;
+  - prompt: what the draft's pass over a prompt costs (it runs behind the target's prefill): the
+    draft's eager forward over 128 / 2048 tokens, FP8 weights read by the tensor-core kernel
+    against the widened copies a CPU uses, and the time to first token with and without it.
 
-    python benchmarks/spec_bench.py [--gamma 4] [--parts cost,ngram,accept,vocab] [--vocab-gammas 4,6]
-                                    [--draft-quantization fp8] [--acceptance-length 3.5]
+    python benchmarks/spec_bench.py [--gamma 4] [--parts cost,ngram,accept,vocab,cycle,prompt]
+                                    [--vocab-gammas 4,6] [--draft-quantization fp8] [--acceptance-length 3.5]
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
+import gc
 import json
 import os
+import random
+import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,9 +47,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_bench import LLAMA_31_8B, decode_rate, median_time, replay_seconds  # noqa: E402
+from gpu_bench import LLAMA_31_8B, decode_rate, median_time, random_prompt, replay_seconds  # noqa: E402
 
-from tokenmill import LLM  # noqa: E402
+from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.config import BENCHMARK_ACCEPT_ALL, BENCHMARK_ACCEPT_ALL_ENV  # noqa: E402
 from tokenmill.runner.batch import Chunk, pack  # noqa: E402
 from tokenmill.runner.cuda_graphs import StepGraphs  # noqa: E402
@@ -96,8 +106,9 @@ def main() -> None:
     parser.add_argument("--acceptance-length", type=float, default=None,
                         help="the accept-all parts accept by a fixed pattern of this mean acceptance length instead "
                              "(benchmark-only), e.g. 3.5: the issue's target, measured")
-    parser.add_argument("--parts", default="cost,ngram,accept,vocab",
-                        help="verify-step cost, n-gram decode, accept-all decode, accept-all with a 32k draft vocabulary")
+    parser.add_argument("--parts", default="cost,ngram,accept,vocab,cycle,prompt",
+                        help="verify-step cost, n-gram decode, accept-all decode, accept-all with a 32k draft vocabulary, "
+                             "the steady-state cycle, the draft's prompt pass")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     figures: dict[str, float] = {}
@@ -134,7 +145,7 @@ def main() -> None:
                        "x")
                 report(f"  eager / padded (wall, host launches included), {rows} tokens", eager, f"/ {padded:.3f} ms")
             if "ngram" in parts:
-                rate = decode_rate(ngram, len(repetitive), args.tokens, prompt=repetitive, first=2)
+                rate = decode_rate(ngram, len(repetitive), args.tokens, prompt=repetitive)
                 report("bs=1 decode, n-gram, repetitive prompt (random weights)", rate, "tok/s")
                 report("  ratio to no speculation on the same prompt", rate / base_rep, "x")
                 report("  n-gram mean acceptance length", ngram.engine.spec_stats.mean_acceptance_length, "")
@@ -153,7 +164,31 @@ def main() -> None:
             for gamma in [int(g) for g in args.vocab_gammas.split(",") if g] or [args.gamma]:
                 accept_all_decode(target_dir, draft_dir, common, gamma, args.tokens, base, report, vocab_file,
                                   args.draft_quantization, args.acceptance_length)
+        if parts & {"cycle", "prompt"}:
+            vocab_file = Path(tmp, "draft_vocab.npy")
+            numpy.save(vocab_file, numpy.arange(32768, dtype=numpy.int64))
+            gamma = int(args.vocab_gammas.split(",")[0]) if args.vocab_gammas else args.gamma
+            llm = LLM(str(target_dir), **common, speculative_config=draft_spec(
+                draft_dir, gamma, vocab_file, args.draft_quantization, args.acceptance_length))
+            if "cycle" in parts:
+                steady_cycle(llm, base, report)
+            if "prompt" in parts:
+                prompt_pass(llm, target_dir, common, report)
     print(json.dumps(figures))
+
+
+def draft_spec(draft_dir: Path, gamma: int, draft_vocab: Path | None, quantization: str | None,
+               length: float | None) -> dict:
+    """The BENCHMARK-ONLY accept-all (or fixed acceptance length) configuration of the 1B-shape draft."""
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": gamma,
+            "draft_sampling": "greedy", "verification": BENCHMARK_ACCEPT_ALL}
+    if length is not None:
+        spec["benchmark_acceptance_length"] = length
+    if draft_vocab is not None:
+        spec["draft_vocab"] = str(draft_vocab)
+    if quantization:
+        spec["quantization"] = quantization
+    return spec
 
 
 def accept_all_decode(target_dir: Path, draft_dir: Path, common: dict, gamma: int, tokens: int, base: float,
@@ -165,16 +200,8 @@ def accept_all_decode(target_dir: Path, draft_dir: Path, common: dict, gamma: in
     label = f", gamma {gamma}" + ("" if draft_vocab is None else ", 32k draft vocabulary")
     label += f", {quantization} draft" if quantization else ""
     mode = "accept-all" if length is None else f"fixed acceptance length {length}"
-    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": gamma,
-            "draft_sampling": "greedy", "verification": BENCHMARK_ACCEPT_ALL}
-    if length is not None:
-        spec["benchmark_acceptance_length"] = length
-    if draft_vocab is not None:
-        spec["draft_vocab"] = str(draft_vocab)
-    if quantization:
-        spec["quantization"] = quantization
-    draft = LLM(str(target_dir), **common, speculative_config=spec)
-    rate = decode_rate(draft, 128, tokens, first=2)
+    draft = LLM(str(target_dir), **common, speculative_config=draft_spec(draft_dir, gamma, draft_vocab, quantization, length))
+    rate = decode_rate(draft, 128, tokens)
     report(f"BENCHMARK-ONLY {mode}: bs=1 decode, 1B-shape draft{label}", rate, "tok/s")
     report(f"  ratio to no speculation{label}", rate / base, "x")
     report(f"  {mode}: mean acceptance length{label}", draft.engine.spec_stats.mean_acceptance_length, "")
@@ -191,6 +218,96 @@ def accept_all_decode(target_dir: Path, draft_dir: Path, common: dict, gamma: in
     report(f"  device-only ceiling at acceptance length 3.5{label}", 3.5 * one / cycle, "x")
     del draft, proposer
     torch.cuda.empty_cache()
+
+
+def steady_cycle(llm: LLM, base: float, report: Callable[[str, float, str], None], tokens: int = 514) -> None:
+    """One long request timed by CUDA events around every graph replay, the first and last few
+    cycles left out: device time per cycle inside each kind of graph and between graphs (the
+    verify step's eager ops, the graphs' input copies, idle), and the steady rate against `base`."""
+    graph_names = {id(g): sg.name for sg in (*llm.engine.runner.graphs, llm.engine.proposer.decode_graphs,
+                                             llm.engine.proposer.catch_up_graphs) for g in sg.graphs.values()}
+    marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+    replay = torch.cuda.CUDAGraph.replay
+
+    def timed(graph: torch.cuda.CUDAGraph) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        replay(graph)
+        end.record()
+        marks.append((graph_names.get(id(graph), "other"), start, end))
+
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    llm.generate([list(range(1000, 1128))], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    torch.cuda.CUDAGraph.replay = timed
+    try:
+        llm.generate([list(range(2000, 2128))], params)
+    finally:
+        torch.cuda.CUDAGraph.replay = replay
+    torch.cuda.synchronize()
+    verifies = [i for i, (name, _, _) in enumerate(marks) if name == "verify"]
+    steady = marks[verifies[4] + 1 : verifies[-4] + 1]  # whole cycles, each ending with its verify step
+    cycles = len(verifies) - 8
+    inside: dict[str, float] = {}
+    for name, start, end in steady:
+        inside[name] = inside.get(name, 0.0) + start.elapsed_time(end) / cycles
+    span = steady[0][1].elapsed_time(steady[-1][2]) / cycles
+    length = llm.engine.spec_stats.mean_acceptance_length
+    for name, ms in sorted(inside.items()):
+        report(f"  steady cycle: device ms inside {name} graphs", ms, "ms")
+    report("  steady cycle: device ms between graphs (eager ops, input copies, idle)", span - sum(inside.values()), "ms")
+    report(f"steady cycle ({cycles} cycles, acceptance length {length:.2f}): ms per cycle", span, "ms")
+    report("  steady-state rate", 1e3 * length / span, "tok/s")
+    report("  steady-state ratio to no speculation", 1e3 * length / span / base, "x")
+
+
+def prompt_pass(llm: LLM, target_dir: Path, common: dict, report: Callable[[str, float, str], None]) -> None:
+    """The draft's eager forward over a prompt (FP8 weights through the tensor-core kernel, and
+    through the widened copies a CPU uses): the host's launch time and the wall time; and the
+    time to first token with the draft following the prefill against the target alone."""
+    from tokenmill.layers.linear import Linear
+
+    proposer = llm.engine.proposer
+    draft, size = proposer.draft.model, proposer.draft.block_size
+    linears = [m for m in draft.modules() if isinstance(m, Linear) and m.weight_scale is not None]
+    plain = LLM(str(target_dir), **common)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    rng = random.Random(5)
+    gc.disable()  # a collection of the engines' object graphs inside a timed call moves it by milliseconds
+    try:
+        for tokens in (128, 2048):
+            # Free blocks' draft KV is scratch here: nothing runs, and a prefix hit recomputes the draft's part.
+            chunk = Chunk(list(range(tokens)), 0, list(range(-(-tokens // size))))
+            ids, positions, metadata = pack([chunk], size, proposer.draft.device)
+            for kernel in (True, False):
+                for m in linears:
+                    m.few_row_kernel = kernel
+                with torch.inference_mode():
+                    host, wall = launch_and_wall_ms(lambda: draft(ids, positions, metadata))
+                report(f"draft prompt pass, {tokens} tokens, {'FP8 kernel' if kernel else 'widened copies'}: host / wall",
+                       host, f"/ {wall:.2f} ms")
+            for m in linears:
+                m.few_row_kernel = True
+            ttft = [1e3 * median_time(lambda e=e: e.generate([random_prompt(tokens, rng)], params), repeats=9)
+                    for e in (llm, plain)]
+            report(f"  time to first token, {tokens}-token prompt: with the draft / target alone", ttft[0],
+                   f"/ {ttft[1]:.2f} ms")
+    finally:
+        gc.enable()
+    del plain
+
+
+def launch_and_wall_ms(fn: Callable[[], object], repeats: int = 9) -> tuple[float, float]:
+    """Median milliseconds until fn returns on the host (its launches) and until the device is done."""
+    fn()
+    torch.cuda.synchronize()
+    host, wall = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        wall.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(host), 1e3 * statistics.median(wall)
 
 
 if __name__ == "__main__":

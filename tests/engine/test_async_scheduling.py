@@ -48,7 +48,14 @@ def test_async_equals_sync(tmp_path: Path, options: dict) -> None:
     save_tiny_checkpoint("llama", tmp_path)
     sync, preemptions = run(tmp_path, False, **options)
     asynchronous, async_preemptions = run(tmp_path, True, **options)
-    assert asynchronous == sync
+    # Tokens and finish reasons exactly; logprobs to float32 rounding, since under preemption the
+    # two modes recompute a preempted prefix in differently composed batches.
+    assert [(ids, reason) for ids, reason, _ in asynchronous] == [(ids, reason) for ids, reason, _ in sync]
+    for (_, _, got), (_, _, want) in zip(asynchronous, sync):
+        assert (got is None) == (want is None)
+        for got_row, want_row in zip(got or [], want or []):
+            assert list(got_row) == list(want_row)
+            assert list(got_row.values()) == pytest.approx(list(want_row.values()), rel=1e-5)
     if "max_model_len" in options:
         assert preemptions > 0 and async_preemptions > 0
     lengths = [len(ids) for ids, _, _ in sync]

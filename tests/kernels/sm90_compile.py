@@ -24,7 +24,7 @@ from triton.compiler import ASTSource
 
 from tokenmill.kernels.activation import _silu_and_mul_kernel
 from tokenmill.kernels.attention import plan_attention
-from tokenmill.kernels.few_row_mma import MMA_ROWS, _few_row_mma_kernel, few_row_mma_tile
+from tokenmill.kernels.few_row_mma import MMA_ROWS, _few_row_mma_kernel, few_row_mma_tile, many_rows_tile
 from tokenmill.kernels.gemv import _gemv_kernel, gemv_tile
 from tokenmill.kernels.kv_cache import _write_kv_kernel
 from tokenmill.kernels.paged_attention import _merge_kernel, _paged_attention_kernel
@@ -109,6 +109,12 @@ def other_variants():
                dict(HAS_SCALE=weight != "bf16", HAS_BIAS=False, BLOCK_M=MMA_ROWS, BLOCK_N=tile.block_n,
                     BLOCK_K=tile.block_k, EVEN_K=True, UPCAST=False, IEEE=False, PDL=True),
                tile.num_warps, tile.num_stages)
+    for n in (2048, 16384):
+        tile, block_m = many_rows_tile(n)
+        yield (f"fp8_linear N={n}, many rows (dependent launch)", _few_row_mma_kernel,
+               {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16"},
+               dict(HAS_SCALE=True, HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                    EVEN_K=True, UPCAST=False, IEEE=False, PDL=True), tile.num_warps, tile.num_stages)
     yield ("rms_norm+residual 4096", _rms_norm_kernel,
            {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16", "eps": "fp32"},
            dict(BLOCK=4096, HAS_RESIDUAL=True, LAUNCH_NEXT=True), 8, 1)

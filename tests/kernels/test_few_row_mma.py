@@ -1,4 +1,4 @@
-"""The tensor-core few-row matmul (bf16/fp16/fp32 or FP8 weights, 1..16 rows of x)."""
+"""The tensor-core few-row matmul (bf16/fp16/fp32 or FP8 weights, 1..16 rows of x), and fp8_linear (FP8 weights, any rows)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from matmul_checks import (
     assert_every_row_matches_linear,
 )
 
-from tokenmill.kernels.few_row_mma import MMA_ROWS, few_row_mma
+from tokenmill.kernels.few_row_mma import MMA_ROWS, few_row_mma, fp8_linear
 from tokenmill.kernels.gemv import GemvTile
 from tokenmill.layers.linear import fp8_rows
 
@@ -70,3 +70,33 @@ def test_refuses_bad_shapes_dtypes_and_scales() -> None:
         few_row_mma(torch.randn(2, 8), weight)
     with pytest.raises(ValueError, match=r"weight_scale must be float32 \[4\]"):
         few_row_mma(torch.randn(2, 8), weight, weight_scale=scale[:3])
+
+
+@pytest.mark.parametrize(
+    "rows,n,k,dtype,device",
+    [
+        on_cpu(MMA_ROWS + 1, 21, 70, torch.bfloat16, id="one-row-past-a-tile"),
+        on_cpu(3 * MMA_ROWS + 5, 40, 96, torch.float16, id="four-row-tiles-ragged"),
+        on_cpu(2, 33, 64, torch.float32, id="few-rows-f32"),
+        on_gpu(128, 16384, 2048, torch.bfloat16, id="1b-gate-up-prompt"),
+        on_gpu(300, 2048, 8192, torch.bfloat16, id="1b-down-ragged-rows"),
+        on_gpu(65, 32768, 2048, torch.bfloat16, id="draft-head-one-past-a-tile"),
+        on_gpu(9, 3072, 2048, torch.bfloat16, id="1b-qkv-few-rows"),
+    ],
+)
+def test_fp8_linear_matches_linear_for_any_rows(rows: int, n: int, k: int, dtype: torch.dtype, device: str) -> None:
+    """Every row of every row tile (the last one ragged) gets its own product; rows past M are never stored."""
+    assert_every_row_matches_linear(fp8_linear, rows, n, k, True, dtype, device)
+
+
+@pytest.mark.parametrize("device", [on_cpu(id="interpreter"), on_gpu(id="cuda")])
+def test_fp8_linear_reads_every_fp8_code_exactly_across_row_tiles(device: str) -> None:
+    assert_every_fp8_code_is_read_exactly(fp8_linear, 3 * MMA_ROWS + 1, torch.bfloat16, device)
+
+
+def test_fp8_linear_refuses_unquantized_weights_and_empty_x() -> None:
+    weight, scale = fp8_rows(torch.randn(4, 8))
+    with pytest.raises(ValueError, match="takes an FP8 E4M3 weight"):
+        fp8_linear(torch.randn(2, 8), weight.float(), weight_scale=scale)
+    with pytest.raises(ValueError, match=r"x \[M, K\]"):
+        fp8_linear(torch.randn(0, 8), weight, weight_scale=scale)

@@ -12,7 +12,7 @@ from matmul_checks import (
     assert_every_row_matches_linear,
 )
 
-from tokenmill.kernels.few_row_mma import MMA_ROWS, few_row_mma
+from tokenmill.kernels.few_row_mma import MMA_ROWS, few_row_mma, fp8_linear
 from tokenmill.kernels.gemv import MAX_ROWS, GemvTile, gemv, gemv_ref
 from tokenmill.layers.linear import FMA_ROWS, Linear, fp8_rows
 
@@ -101,16 +101,16 @@ def test_gemv_refuses_bad_shapes_and_scales() -> None:
         gemv(torch.randn(1, 8), weight, weight_scale=scale[:3])
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, MMA_ROWS, MMA_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 2, 5, MMA_ROWS, MMA_ROWS + 1, 3 * MMA_ROWS + 5])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("in_features", [40, 60], ids=["short-rows", "long-rows"])
 def test_linear_dispatch_gives_torch_result(
     rows: int, fp8: bool, in_features: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Up to FMA_ROWS rows (FP8 weights: MAX_ROWS) go through the FMA kernel, up to MMA_ROWS
-    through the tensor-core one (unquantized: only where it suits the shape, not rows more than
-    twice as long as there are rows), more through torch (FP8 weights dequantized for the call):
-    all equal F.linear on the real weight."""
+    """Up to FMA_ROWS rows (FP8 weights: MAX_ROWS) go through the FMA kernel; unquantized weights
+    up to MMA_ROWS through the tensor-core one where it suits the shape (not rows more than twice
+    as long as there are rows), more through torch; FP8 weights past MAX_ROWS through the
+    tensor-core kernel, any number of rows: all equal F.linear on the real weight."""
     import tokenmill.kernels.few_row_mma as mma_module
     import tokenmill.kernels.gemv as fma_module
 
@@ -118,6 +118,8 @@ def test_linear_dispatch_gives_torch_result(
     monkeypatch.setattr(fma_module, "gemv", lambda *args, **kwargs: calls.append("fma") or gemv(*args, **kwargs))
     monkeypatch.setattr(mma_module, "few_row_mma",
                         lambda *args, **kwargs: calls.append("mma") or few_row_mma(*args, **kwargs))
+    monkeypatch.setattr(mma_module, "fp8_linear",
+                        lambda *args, **kwargs: calls.append("mma") or fp8_linear(*args, **kwargs))
     torch.manual_seed(1)
     layer = Linear(in_features, 24, bias=True, few_row_kernel=True)
     if fp8:
@@ -129,4 +131,4 @@ def test_linear_dispatch_gives_torch_result(
     if rows <= (MAX_ROWS if fp8 else FMA_ROWS):
         assert calls == ["fma"]
     else:
-        assert calls == (["mma"] if rows <= MMA_ROWS and mma_ok else [])
+        assert calls == (["mma"] if fp8 or rows <= MMA_ROWS and mma_ok else [])

@@ -93,7 +93,7 @@ def test_followed_catch_up_runs_behind_the_verify_without_reading_it(
     catch-up run after the host appended the tokens) and the output is plain decoding's."""
     from tokenmill.spec.draft_model import DraftModelProposer, _FollowedCatchUp
 
-    follow, logits_for, propose = DraftModelProposer.follow, _FollowedCatchUp.logits_for, DraftModelProposer.propose
+    follow, logits_for, propose = DraftModelProposer._follow_verify, _FollowedCatchUp.logits_for, DraftModelProposer.propose
     proposers: list[DraftModelProposer] = []
     served = proposals = 0
 
@@ -118,7 +118,7 @@ def test_followed_catch_up_runs_behind_the_verify_without_reading_it(
             served += 1
         return logits
 
-    monkeypatch.setattr(DraftModelProposer, "follow", guarded_follow)
+    monkeypatch.setattr(DraftModelProposer, "_follow_verify", guarded_follow)
     monkeypatch.setattr(DraftModelProposer, "propose", recorded)
     monkeypatch.setattr(_FollowedCatchUp, "logits_for", checked)
     tokens, llm = generate(model_dir, speculative_config={"method": "draft_model", "model": str(model_dir),

@@ -207,8 +207,8 @@ class LLMEngine:
             self._computed_prompt_tokens += max(0, min(start + n, len(request.prompt_token_ids)) - start)
         masks = [None if r.grammar is None else r.grammar.allowed_token_mask() for r in sampling]
         launched = self.runner.execute(batch, tables, sampling, masks, self._in_flight)
-        if launched is not None and self.proposer is not None:
-            self.proposer.follow(launched)
+        if self.proposer is not None:
+            self.proposer.follow(batch, launched)  # before finish_step: it reads each chunk's start
         self.scheduler.finish_step(batch)
         return launched
 

@@ -12,6 +12,10 @@ split-K: every projection of interest has N >= 2048, enough programs to fill the
 FP8 weights (E4M3, float32 scale per output row) are widened to x's dtype in registers before
 the MMA, which is exact (every E4M3 value is a bf16 and an fp16 value); the row's scale
 multiplies the sum (weight-only: x is never quantized). float32 x multiplies in IEEE float32.
+
+`fp8_linear` runs the same kernel over any number of rows (the grid also tiles x's rows, the
+row tiles of one W tile launched next to each other so W is read from DRAM about once): an FP8
+draft's prompt pass, which would otherwise widen every weight into memory first.
 """
 
 from __future__ import annotations
@@ -21,10 +25,19 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from tokenmill.kernels._common import dependent_launch, interpreting, mm
+from tokenmill.kernels._common import FP8_DTYPE, dependent_launch, interpreting, mm
 from tokenmill.kernels.gemv import GemvTile, check_operands
 
-MMA_ROWS = 16  # x's rows padded to the MMA's narrow side; the most one launch takes
+MMA_ROWS = 16  # x's rows padded to the MMA's narrow side; the most one few_row_mma launch takes
+
+
+def many_rows_tile(n: int) -> tuple[GemvTile, int]:
+    """fp8_linear's (W tile, rows of x per program) past MMA_ROWS rows: the best of seven in an
+    H200 sweep at 128 and 2048 rows of the 1B's gate_up, head and down (benchmarks/RESULTS.md,
+    2026-12-01 night); narrower programs where N is small, so that enough of them run."""
+    if n < 4096:
+        return GemvTile(64, 128, 4, 4), 64
+    return GemvTile(128, 64, 8, 4), 128
 
 
 def few_row_mma_tile(n: int, k: int) -> GemvTile:
@@ -54,13 +67,13 @@ def _few_row_mma_kernel(
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    xt_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # x^T: [BLOCK_K, BLOCK_M]
+    xt_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]  # x^T: [BLOCK_K, BLOCK_M]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     if PDL:
         gdc_wait()
@@ -77,7 +90,7 @@ def _few_row_mma_kernel(
         acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    y_ptrs = y_ptr + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
 
 
@@ -94,17 +107,37 @@ def few_row_mma(
     pdl (default: where the device has it) launches it as a programmatic dependent of the kernel
     before it."""
     check_operands("few_row_mma", x, weight, weight_scale, MMA_ROWS)
-    n, k = weight.shape
-    rows = x.shape[0]
     if weight_scale is None and weight.dtype != x.dtype:
         raise ValueError(f"weight ({weight.dtype}) and x ({x.dtype}) must share a dtype unless the weight is FP8")
-    tile = tile or few_row_mma_tile(n, k)
+    return _launch(x, weight, bias, weight_scale, tile or few_row_mma_tile(*weight.shape), MMA_ROWS, pdl)
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, weight_scale: torch.Tensor,
+    pdl: bool | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] as FP8 E4M3 * weight_scale[:, None]).T (+ bias) -> [M, N] in x's
+    dtype, for any M: FP8 read straight from the weight, as in few_row_mma."""
+    if weight.dtype != FP8_DTYPE:
+        raise ValueError(f"fp8_linear takes an FP8 E4M3 weight, got {weight.dtype}")
+    check_operands("fp8_linear", x, weight, weight_scale, None)
+    if x.shape[0] <= MMA_ROWS or interpreting():
+        return _launch(x, weight, bias, weight_scale, few_row_mma_tile(*weight.shape), MMA_ROWS, pdl)
+    return _launch(x, weight, bias, weight_scale, *many_rows_tile(weight.shape[0]), pdl)
+
+
+def _launch(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_scale: torch.Tensor | None,
+    tile: GemvTile, block_m: int, pdl: bool | None,
+) -> torch.Tensor:
+    n, k = weight.shape
+    rows = x.shape[0]
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     pdl = dependent_launch(x.device) if pdl is None else pdl
-    _few_row_mma_kernel[(triton.cdiv(n, tile.block_n),)](
+    _few_row_mma_kernel[(triton.cdiv(rows, block_m), triton.cdiv(n, tile.block_n))](
         x, weight, weight_scale if weight_scale is not None else weight, bias if bias is not None else weight, y,
         rows, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None, BLOCK_M=MMA_ROWS, BLOCK_N=tile.block_n,
+        HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, EVEN_K=k % tile.block_k == 0,
         UPCAST=interpreting() and x.dtype != torch.float32, IEEE=x.dtype == torch.float32,
         PDL=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,

@@ -186,13 +186,16 @@ def gemv(
 
 
 def check_operands(
-    kernel: str, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, max_rows: int
+    kernel: str, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, max_rows: int | None
 ) -> None:
-    """Refuse what a few-row kernel cannot take: x other than [M <= max_rows, K] or not row-major,
-    a weight not row-major, an FP8 weight without its float32 row scales or a scale without one."""
+    """Refuse what a weight-streaming kernel cannot take: x other than [M <= max_rows (None: any
+    M >= 1), K] or not row-major, a weight not row-major, an FP8 weight without its float32 row
+    scales or a scale without one."""
     n, k = weight.shape
-    if x.dim() != 2 or not 1 <= x.shape[0] <= max_rows or x.shape[1] != k or weight.stride(1) != 1 or x.stride(1) != 1:
-        raise ValueError(f"{kernel} takes x [M <= {max_rows}, K] and a row-major weight [N, K]; "
+    rows_ok = x.dim() == 2 and 1 <= x.shape[0] <= (max_rows or x.shape[0])
+    if not rows_ok or x.shape[1] != k or weight.stride(1) != 1 or x.stride(1) != 1:
+        limit = "M" if max_rows is None else f"M <= {max_rows}"
+        raise ValueError(f"{kernel} takes x [{limit}, K] and a row-major weight [N, K]; "
                          f"got {tuple(x.shape)}, {tuple(weight.shape)}")
     if (weight.dtype == FP8_DTYPE) != (weight_scale is not None):
         raise ValueError("FP8 weights need a float32 weight_scale per output row, and only FP8 weights take one")

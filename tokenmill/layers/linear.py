@@ -3,8 +3,9 @@ of tokenmill's few-row kernels (decode at small batch is bound by reading the we
 FMA kernel (gemv.py) for one row, the tensor-core one (few_row_mma.py) for up to 16.
 
 A weight may be FP8 E4M3 with a float32 scale per output row (`quantize_fp8_`, weight-only:
-activations stay in the model's dtype). The kernels read the FP8 bytes; elsewhere (CPU, or more
-rows than the kernels take) the weight is dequantized for the call, a slab of rows at a time.
+activations stay in the model's dtype). On CUDA the kernels read the FP8 bytes for any number of
+rows (the tensor-core kernel past the FMA kernel's rows); on a CPU the weight is dequantized for
+the call, a slab of rows at a time.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ FP8_E4M3 = torch.float8_e4m3fn
 FMA_ROWS = 1
 """Most rows of x the FMA kernel takes for an unquantized weight (from 2 rows it keeps too many
 accumulators); FP8 weights go through it up to all the rows it takes (gemv.MAX_ROWS), since the
-tensor-core kernel widens FP8 slowly. Above these, up to the tensor-core kernel's MMA_ROWS, the
-tensor-core kernel where it beats cuBLAS (FP8: always); above that torch's matmul (cuBLAS)."""
+tensor-core kernel widens FP8 slowly. Above these: unquantized weights take the tensor-core
+kernel up to its MMA_ROWS where it beats cuBLAS, else torch's matmul (cuBLAS); FP8 weights take
+the tensor-core kernel for any number of rows (fp8_linear), never a widened copy in memory."""
 
 
 DEQUANT_ROWS = 4096
-"""Rows of an FP8 weight widened at once where no kernel reads it (CPU, more rows of x than the
-kernels take): a slab of 4096 x K float32, not the whole weight."""
+"""Rows of an FP8 weight widened at once where no kernel reads it (a CPU): a slab of 4096 x K
+float32, not the whole weight."""
 
 
 class Linear(nn.Linear):
@@ -39,13 +41,15 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fp8 = self.weight_scale is not None
         if self.few_row_kernel and x.dim() == 2 and x.is_contiguous() and (fp8 or x.dtype == self.weight.dtype):
-            from tokenmill.kernels.few_row_mma import MMA_ROWS, few_row_mma, few_row_mma_suits
+            from tokenmill.kernels.few_row_mma import MMA_ROWS, few_row_mma, few_row_mma_suits, fp8_linear
             from tokenmill.kernels.gemv import MAX_ROWS, gemv
 
             if x.shape[0] <= (MAX_ROWS if fp8 else FMA_ROWS):
                 return gemv(x, self.weight, self.bias, weight_scale=self.weight_scale)
-            if x.shape[0] <= MMA_ROWS and (fp8 or few_row_mma_suits(*self.weight.shape)):
-                return few_row_mma(x, self.weight, self.bias, weight_scale=self.weight_scale)
+            if fp8:
+                return fp8_linear(x, self.weight, self.bias, weight_scale=self.weight_scale)
+            if x.shape[0] <= MMA_ROWS and few_row_mma_suits(*self.weight.shape):
+                return few_row_mma(x, self.weight, self.bias)
         if fp8:
             return self._dequantized_linear(x)
         return F.linear(x, self.weight, self.bias)

@@ -32,6 +32,7 @@ from tokenmill.spec.draft_vocab import load_draft_vocab
 
 if TYPE_CHECKING:
     from tokenmill.engine.kv_cache import KVCacheManager
+    from tokenmill.engine.scheduler import ScheduledBatch
     from tokenmill.runner.cuda_graphs import StepGraphs
     from tokenmill.runner.model_runner import ModelRunner, StepOutput
 
@@ -121,6 +122,7 @@ class DraftModelProposer:
         self.scratch_slot = target.num_blocks * draft.block_size
         draft.allocate_kv(target.num_blocks + 1)
         self.max_model_len = config.model.max_model_len
+        self.max_step_tokens = config.scheduler.max_num_batched_tokens
         self.decode_graphs: StepGraphs | None = None
         self.catch_up_graphs: StepGraphs | None = None
         self._followed: _FollowedCatchUp | None = None
@@ -197,8 +199,30 @@ class DraftModelProposer:
         if graphs is not None and graphs.fits(len(requests), 2) and all(1 <= n <= 2 for n in behind):
             chunks = [Chunk(r.all_token_ids[-2:], len(r.all_token_ids) - 2, t) for r, t in zip(requests, tables)]
             return self._last_token_logits(*pack(chunks, self.draft.block_size, self.draft.device), graphed=True)
-        chunks = [Chunk(r.all_token_ids[r.draft_num_computed :], r.draft_num_computed, t) for r, t in zip(requests, tables)]
-        return self._last_token_logits(*pack(chunks, self.draft.block_size, self.draft.device), graphed=False)
+        return self._catch_up_eagerly(requests, tables)
+
+    def _catch_up_eagerly(self, requests: Sequence[Request], tables: Sequence[Sequence[int]]) -> torch.Tensor:
+        """The catch-up as eager forwards of at most the step token budget each (after a prefix-cache
+        hit the draft computes the whole cached prompt: one forward could outgrow the memory the
+        start-up profile measured). Each forward takes every unfinished request's next piece, in
+        order, until the budget is spent; a request's logits come from the forward its piece ends in."""
+        starts = [r.draft_num_computed for r in requests]
+        logits: list[torch.Tensor | None] = [None] * len(requests)
+        while any(row is None for row in logits):
+            chunks, ending, room = [], [], self.max_step_tokens
+            for b, (r, table) in enumerate(zip(requests, tables)):
+                n = min(len(r.all_token_ids) - starts[b], room)
+                if logits[b] is not None or n == 0:
+                    continue
+                chunks.append(Chunk(r.all_token_ids[starts[b] : starts[b] + n], starts[b], table))
+                starts[b] += n
+                room -= n
+                ending.append(b if starts[b] == len(r.all_token_ids) else -1)
+            rows = self._last_token_logits(*pack(chunks, self.draft.block_size, self.draft.device), graphed=False)
+            for row, b in zip(rows, ending):
+                if b >= 0:
+                    logits[b] = row
+        return torch.stack(logits)
 
     def _last_token_logits(
         self, ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, graphed: bool
@@ -212,14 +236,36 @@ class DraftModelProposer:
         return self.draft.model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1])
 
     @torch.inference_mode()
-    def follow(self, step: StepOutput) -> None:
+    def follow(self, batch: ScheduledBatch, step: StepOutput | None) -> None:
+        self._followed = None
+        self._compute_prompt_chunks(batch)
+        if step is not None:
+            self._follow_verify(step)
+
+    def _compute_prompt_chunks(self, batch: ScheduledBatch) -> None:
+        """The draft computes the step's prompt chunks behind the target, at the same positions and
+        slots, so its cache keeps level with the target's through the prompt: its prompt pass is
+        prompt processing (in the time to first token, within the step's token budget, as in
+        vLLM) and the first proposal catches up one token. Only chunks the draft is level at: after
+        a prefix-cache hit the first proposal's catch-up computes the cached part too."""
+        chunks, levelled = [], []
+        for r, n in zip(batch.requests, batch.num_new_tokens):
+            start = r.num_computed_tokens  # finish_step has not counted this step yet
+            if start == r.draft_num_computed and start < len(r.prompt_token_ids) and start + n <= len(r.all_token_ids):
+                chunks.append(Chunk(r.all_token_ids[start : start + n], start, self.kv.block_tables[r.request_id]))
+                levelled.append((r, start + n))
+        if chunks:
+            self.draft.model(*pack(chunks, self.draft.block_size, self.draft.device))
+            for r, computed in levelled:
+                r.draft_num_computed = computed
+
+    def _follow_verify(self, step: StepOutput) -> None:
         """Launch the next proposal's catch-up behind a verify step, on the device's copy of its
         result: request b, which had L tokens and accepted a of its drafts, feeds the tokens at
         positions L + a - 1 and L + a (the last accepted token, or its last known one, and the
         verify's correction or bonus). For the requests that had drafts and a slot for that
         token, when the catch-up graph fits them (on a CPU, where reading the lengths back costs
         nothing, it runs eagerly)."""
-        self._followed = None
         size, graphs = self.draft.block_size, self.catch_up_graphs
         if graphs is None and self.draft.device.type != "cpu":
             return

@@ -12,6 +12,7 @@ from tokenmill.spec.ngram import NgramProposer
 
 if TYPE_CHECKING:
     from tokenmill.engine.kv_cache import KVCacheManager
+    from tokenmill.engine.scheduler import ScheduledBatch
     from tokenmill.runner.model_runner import ModelRunner, StepOutput
 
 
@@ -19,8 +20,9 @@ class Proposer(Protocol):
     def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> None:
         """Set each request's drafts (at most its limit of them)."""
 
-    def follow(self, step: StepOutput) -> None:
-        """Start on the next proposal behind a launched step, before the host reads its result."""
+    def follow(self, batch: ScheduledBatch, step: StepOutput | None) -> None:
+        """Work behind a launched step, before the host reads its result: a draft model computes
+        the step's prompt chunks too, and starts on the next proposal (`step`: what it samples)."""
 
     def forget(self, request_id: str) -> None:
         """Drop any state kept for a request that finished or was aborted."""
@@ -37,7 +39,7 @@ class PromptLookupProposer:
             ids = list(self.ngram.propose_request(request.request_id, request.all_token_ids, limit))
             request.drafts = Drafts(len(ids), host_ids=ids) if ids else NO_DRAFTS
 
-    def follow(self, step: StepOutput) -> None:
+    def follow(self, batch: ScheduledBatch, step: StepOutput | None) -> None:
         pass  # lookups need the accepted tokens on the host
 
     def forget(self, request_id: str) -> None:
