@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import LLAMA_31_8B, copy_bandwidth, decode_rate, graph_time, replay_seconds  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
-from tokenmill.config import BENCHMARK_ACCEPT_ALL, BENCHMARK_ACCEPT_ALL_ENV  # noqa: E402
+from tokenmill.config import BENCHMARK_ACCEPT_ALL_ENV  # noqa: E402
 from tokenmill.kernels.few_row_mma import few_row_mma, few_row_mma_tile  # noqa: E402
 from tokenmill.kernels.gemv import MAX_ROWS, GemvTile, gemv, gemv_tile  # noqa: E402
 from tokenmill.layers.linear import fp8_rows  # noqa: E402
@@ -304,6 +304,8 @@ def idle_profile(llm: LLM, label: str, new_tokens: int = 64) -> None:
 
 
 def bench_idle(target_dir: str, draft_dir: str) -> None:
+    from spec_bench import draft_spec
+
     for owner, name in spec_phases():
         labelled(owner, name)
     common = dict(load_format="dummy", dtype="bfloat16", max_model_len=4096, kv_cache_bytes=8 << 30, max_num_seqs=4)
@@ -315,10 +317,7 @@ def bench_idle(target_dir: str, draft_dir: str) -> None:
     # the FP8 draft with a 32k draft vocabulary.
     vocab_file = Path(target_dir).parent / "draft_vocab.npy"
     numpy.save(vocab_file, numpy.arange(32768, dtype=numpy.int64))
-    llm = LLM(target_dir, **common, speculative_config={
-        "method": "draft_model", "model": draft_dir, "num_speculative_tokens": 3, "draft_sampling": "greedy",
-        "quantization": "fp8", "verification": BENCHMARK_ACCEPT_ALL, "benchmark_acceptance_length": 3.5,
-        "draft_vocab": str(vocab_file)})
+    llm = LLM(target_dir, **common, speculative_config=draft_spec(Path(draft_dir), 3, vocab_file, "fp8", 3.5))
     idle_profile(llm, "spec at fixed acceptance length 3.5, bs=1, 1B-shape FP8 draft, 32k draft vocabulary, gamma 3")
 
 

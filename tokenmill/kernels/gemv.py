@@ -192,7 +192,7 @@ def check_operands(
     M >= 1), K] or not row-major, a weight not row-major, an FP8 weight without its float32 row
     scales or a scale without one."""
     n, k = weight.shape
-    rows_ok = x.dim() == 2 and 1 <= x.shape[0] <= (max_rows or x.shape[0])
+    rows_ok = x.dim() == 2 and x.shape[0] >= 1 and (max_rows is None or x.shape[0] <= max_rows)
     if not rows_ok or x.shape[1] != k or weight.stride(1) != 1 or x.stride(1) != 1:
         limit = "M" if max_rows is None else f"M <= {max_rows}"
         raise ValueError(f"{kernel} takes x [{limit}, K] and a row-major weight [N, K]; "

@@ -208,20 +208,22 @@ class DraftModelProposer:
         order, until the budget is spent; a request's logits come from the forward its piece ends in."""
         starts = [r.draft_num_computed for r in requests]
         logits: list[torch.Tensor | None] = [None] * len(requests)
-        while any(row is None for row in logits):
-            chunks, ending, room = [], [], self.max_step_tokens
-            for b, (r, table) in enumerate(zip(requests, tables)):
-                n = min(len(r.all_token_ids) - starts[b], room)
-                if logits[b] is not None or n == 0:
-                    continue
-                chunks.append(Chunk(r.all_token_ids[starts[b] : starts[b] + n], starts[b], table))
+        pending = list(range(len(requests)))
+        while pending:
+            chunks, room = [], self.max_step_tokens
+            for b in pending:  # the forward takes a prefix of the pending requests
+                if room == 0:
+                    break
+                ids = requests[b].all_token_ids
+                n = min(len(ids) - starts[b], room)
+                chunks.append(Chunk(ids[starts[b] : starts[b] + n], starts[b], tables[b]))
                 starts[b] += n
                 room -= n
-                ending.append(b if starts[b] == len(r.all_token_ids) else -1)
             rows = self._last_token_logits(*pack(chunks, self.draft.block_size, self.draft.device), graphed=False)
-            for row, b in zip(rows, ending):
-                if b >= 0:
+            for b, row in zip(pending, rows):
+                if starts[b] == len(requests[b].all_token_ids):
                     logits[b] = row
+            pending = [b for b in pending if logits[b] is None]
         return torch.stack(logits)
 
     def _last_token_logits(
