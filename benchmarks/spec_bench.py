@@ -5,9 +5,12 @@ so a real draft's acceptance cannot be measured here; the figures are the machin
   - the cost of a (1 + gamma)-token verify step against a 1-token step at batch 1/16/64, both
     as the engine runs them (captured CUDA graphs, device time), and of a step with fewer
     drafts run eagerly against the same step padded into the verify graph (wall time);
-  - batch-1 decode tok/s without speculation, with the n-gram proposer on a repetitive prompt,
-    and with the draft model under BENCHMARK-ONLY accept-all verification (not lossless: it
-    shows the speed-up at full acceptance, acceptance length gamma + 1), with its full head and
+  - batch-1 decode tok/s without speculation; with the n-gram proposer on a repetitive prompt
+    that the random target never continues (few drafts, all rejected: what the proposer costs
+    where text does not repeat); with the n-gram proposer on the target's own looping output
+    (ngram-own: drafts accepted by exact greedy verification, as the target makes them); and with
+    the draft model under BENCHMARK-ONLY accept-all verification (not lossless: it shows the
+    speed-up at full acceptance, acceptance length gamma + 1), with its full head and
     with the head cut to a 32k-token draft vocabulary; beside each, the ratio the captured
     steps allow with no host time at all (catch-up + (gamma - 1) draft steps + verify against
     gamma + 1, or 3.5, plain steps);
@@ -22,8 +25,9 @@ so a real draft's acceptance cannot be measured here; the figures are the machin
     draft's eager forward over 128 / 2048 tokens, FP8 weights read by the tensor-core kernel
     against the widened copies a CPU uses, and the time to first token with and without it.
 
-    python benchmarks/spec_bench.py [--gamma 4] [--parts cost,ngram,accept,vocab,cycle,prompt]
-                                    [--vocab-gammas 4,6] [--draft-quantization fp8] [--acceptance-length 3.5]
+    python benchmarks/spec_bench.py [--gamma 4] [--parts cost,ngram,ngram-own,accept,vocab,cycle,prompt]
+                                    [--vocab-gammas 4,6] [--ngram-gammas 3,4,6] [--draft-quantization fp8]
+                                    [--acceptance-length 3.5]
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import argparse
 import bisect
 import gc
 import json
+import operator
 import os
 import random
 import statistics
@@ -54,6 +59,7 @@ from tokenmill.config import BENCHMARK_ACCEPT_ALL, BENCHMARK_ACCEPT_ALL_ENV  # n
 from tokenmill.runner.batch import Chunk, pack  # noqa: E402
 from tokenmill.runner.cuda_graphs import StepGraphs  # noqa: E402
 from tokenmill.runner.model_runner import ModelRunner  # noqa: E402
+from tokenmill.spec.stats import SpecStats  # noqa: E402
 
 LLAMA_32_1B = {
     **LLAMA_31_8B, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
@@ -100,15 +106,17 @@ def main() -> None:
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--vocab-gammas", default="",
                         help="comma-separated gammas for the draft-vocabulary part (default: --gamma)")
+    parser.add_argument("--ngram-gammas", default="3,4,6", help="comma-separated gammas for the ngram-own part")
+    parser.add_argument("--ngram-seeds", default="11,12,13", help="comma-separated seeds of the ngram-own part's prompts")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--draft-quantization", choices=["fp8"], default=None,
                         help="quantize the draft's weights at load (the accept-all parts)")
     parser.add_argument("--acceptance-length", type=float, default=None,
                         help="the accept-all parts accept by a fixed pattern of this mean acceptance length instead "
                              "(benchmark-only), e.g. 3.5: the issue's target, measured")
-    parser.add_argument("--parts", default="cost,ngram,accept,vocab,cycle,prompt",
-                        help="verify-step cost, n-gram decode, accept-all decode, accept-all with a 32k draft vocabulary, "
-                             "the steady-state cycle, the draft's prompt pass")
+    parser.add_argument("--parts", default="cost,ngram,ngram-own,accept,vocab,cycle,prompt",
+                        help="verify-step cost, n-gram decode (drafts rejected / on the target's own loop), accept-all "
+                             "decode, accept-all with a 32k draft vocabulary, the steady-state cycle, the draft's prompt pass")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     figures: dict[str, float] = {}
@@ -151,6 +159,9 @@ def main() -> None:
                 report("  n-gram mean acceptance length", ngram.engine.spec_stats.mean_acceptance_length, "")
             del ngram, decode, verify
             torch.cuda.empty_cache()
+        if "ngram-own" in parts:
+            ngram_on_own_output(target_dir, common, [int(g) for g in args.ngram_gammas.split(",")], args.tokens, report,
+                                [int(seed) for seed in args.ngram_seeds.split(",")])
 
         os.environ[BENCHMARK_ACCEPT_ALL_ENV] = "1"
         # The draft's head cut to a 32k-token draft vocabulary (the head is 21% of the 1B's
@@ -173,6 +184,61 @@ def main() -> None:
             if "prompt" in parts:
                 prompt_pass(llm, target_dir, common, report)
     print(json.dumps(figures))
+
+
+def ngram_on_own_output(target_dir: Path, common: dict, gammas: list[int], tokens: int,
+                        report: Callable[[str, float, str], None], seeds: list[int],
+                        embedding_scale: float = 65536.0) -> None:
+    """The n-gram proposer where its drafts are accepted as the target makes them. The target's
+    token embedding is scaled up (every projection keeps its random weights, so a step costs what
+    it costs in any model; the embedding is only gathered) until what the layers add to the
+    residual stream is tiny beside it (most of it rounds away in bf16): each next token is then,
+    in effect, a function of the current one, and greedy output a walk that enters a loop once it
+    meets a token again. The workload is a
+    random prompt followed by the target's own 4,096 greedy tokens; prompt lookup finds the loop
+    and exact greedy verification accepts what the target would have produced anyway. Beside the
+    rates, per seed of the random prompt: the loop's period, the mean acceptance length, and where
+    speculation first changed the greedy output, with the gap between the target's two best
+    log-probabilities there (the logits of a (1 + gamma)-row verify step and of a one-row step
+    round differently in bf16, so near-ties can break either way)."""
+    small = {**common, "kv_cache_bytes": 4 << 30}
+    plain = LLM(str(target_dir), **small)
+    engines = {g: LLM(str(target_dir), **small, speculative_config={"method": "ngram", "num_speculative_tokens": g})
+               for g in gammas}
+    with torch.no_grad():
+        for llm in (plain, *engines.values()):
+            llm.engine.runner.model.model.embed_tokens.weight.mul_(embedding_scale)
+    checked = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=2)
+    for seed in seeds:
+        start = random_prompt(64, random.Random(seed))
+        walk = plain.generate([start], SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True))
+        prompt = start + walk[0].outputs[0].token_ids
+        label = f"seed {seed}"
+        report(f"own output ({label}, embedding x{embedding_scale:g}): loop period at its end (0: none)",
+               tail_period(prompt[-2048:], 1536), "tokens")
+        base = decode_rate(plain, len(prompt), tokens, prompt=prompt)
+        report(f"  bs=1 decode, no speculation ({label}, {len(prompt)}-token prompt)", base, "tok/s")
+        expected = plain.generate([prompt], checked)[0].outputs[0]
+        for gamma, llm in engines.items():
+            llm.engine.spec_stats = SpecStats()
+            rate = decode_rate(llm, len(prompt), tokens, prompt=prompt)
+            report(f"  n-gram, gamma {gamma}: bs=1 decode ({label})", rate, f"tok/s = {rate / base:.2f}x")
+            report(f"    mean acceptance length / verify steps with drafts ({label}, gamma {gamma})",
+                   llm.engine.spec_stats.mean_acceptance_length, f"/ {llm.engine.spec_stats.num_drafts}")
+            got = llm.generate([prompt], checked)[0].outputs[0].token_ids
+            first = next((i for i, (a, b) in enumerate(zip(expected.token_ids, got)) if a != b), None)
+            gap = "" if first is None else "; log-prob gap of the target's two best there {:.3f}".format(
+                operator.sub(*sorted(expected.logprobs[first].values(), reverse=True)[:2]))
+            report(f"    greedy output: first token changed by speculation ({label}, gamma {gamma}; -1: none)",
+                   -1 if first is None else first, f"of {tokens}{gap}")
+    del plain, engines, llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def tail_period(ids: list[int], longest: int) -> int:
+    """The shortest period p <= longest with ids[i] == ids[i + p] throughout, else 0."""
+    return next((p for p in range(1, min(longest, len(ids) - 1) + 1) if ids[p:] == ids[:-p]), 0)
 
 
 def draft_spec(draft_dir: Path, gamma: int, draft_vocab: Path | None, quantization: str | None,
