@@ -111,8 +111,8 @@ def _apply_overrides(config: EngineConfig, overrides: dict[str, Any]) -> EngineC
         if key == "enforce_eager":
             config = replace(config, enforce_eager=value)
             continue
-        if key == "speculative_config":
-            spec = value if isinstance(value, SpeculativeConfig) else SpeculativeConfig(**value)
+        if key == "speculative_config":  # None: no speculation, as in vLLM
+            spec = value if isinstance(value, SpeculativeConfig) else SpeculativeConfig(**(value or {}))
             config = replace(config, speculative=spec)
             continue
         for section, kind in sections.items():
