@@ -36,7 +36,6 @@ import argparse
 import bisect
 import gc
 import json
-import operator
 import os
 import random
 import statistics
@@ -194,13 +193,13 @@ def ngram_on_own_output(target_dir: Path, common: dict, gammas: list[int], token
     it costs in any model; the embedding is only gathered) until what the layers add to the
     residual stream is tiny beside it (most of it rounds away in bf16): each next token is then,
     in effect, a function of the current one, and greedy output a walk that enters a loop once it
-    meets a token again. The workload is a
-    random prompt followed by the target's own 4,096 greedy tokens; prompt lookup finds the loop
-    and exact greedy verification accepts what the target would have produced anyway. Beside the
-    rates, per seed of the random prompt: the loop's period, the mean acceptance length, and where
-    speculation first changed the greedy output, with the gap between the target's two best
-    log-probabilities there (the logits of a (1 + gamma)-row verify step and of a one-row step
-    round differently in bf16, so near-ties can break either way)."""
+    meets a token again. The workload is a random prompt followed by the target's own 4,096
+    greedy tokens; prompt lookup finds the loop and exact greedy verification accepts what the
+    target would have produced anyway. Beside the rates, per seed of the random prompt: the
+    loop's period, the mean acceptance length, and where speculation first changed the greedy
+    output, with the gap between the target's two best log-probabilities there (the logits of a
+    (1 + gamma)-row verify step and of a one-row step round differently in bf16, so near-ties can
+    break either way)."""
     small = {**common, "kv_cache_bytes": 4 << 30}
     plain = LLM(str(target_dir), **small)
     engines = {g: LLM(str(target_dir), **small, speculative_config={"method": "ngram", "num_speculative_tokens": g})
@@ -227,8 +226,10 @@ def ngram_on_own_output(target_dir: Path, common: dict, gammas: list[int], token
                    llm.engine.spec_stats.mean_acceptance_length, f"/ {llm.engine.spec_stats.num_drafts}")
             got = llm.generate([prompt], checked)[0].outputs[0].token_ids
             first = next((i for i, (a, b) in enumerate(zip(expected.token_ids, got)) if a != b), None)
-            gap = "" if first is None else "; log-prob gap of the target's two best there {:.3f}".format(
-                operator.sub(*sorted(expected.logprobs[first].values(), reverse=True)[:2]))
+            gap = ""
+            if first is not None:
+                best, second = sorted(expected.logprobs[first].values(), reverse=True)[:2]
+                gap = f"; log-prob gap of the target's two best there {best - second:.3f}"
             report(f"    greedy output: first token changed by speculation ({label}, gamma {gamma}; -1: none)",
                    -1 if first is None else first, f"of {tokens}{gap}")
     del plain, engines, llm

@@ -45,12 +45,14 @@ def block_bytes(has_draft: bool) -> int:
 
 
 def run(path: Path, speculative_config: dict | None) -> tuple[list[tuple[list[int], str | None]], EngineStats]:
+    has_draft = (speculative_config or {}).get("method") == "draft_model"
     llm = LLM(str(path), device="cpu", block_size=BLOCK_SIZE, max_model_len=64, max_num_batched_tokens=16,
-              kv_cache_bytes=NUM_BLOCKS * block_bytes(speculative_config is not None and "model" in speculative_config),
-              policy="priority", speculative_config=speculative_config)
+              kv_cache_bytes=NUM_BLOCKS * block_bytes(has_draft), policy="priority",
+              speculative_config=speculative_config)
     prompts, params, priorities = workload()
     outs = llm.generate(prompts, params, priority=priorities)
     stats = llm.engine.stats()
+    assert stats.kv_blocks_total == NUM_BLOCKS
     assert stats.kv_blocks_used == 0 and not llm.engine.has_unfinished_requests()
     return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs], stats
 
