@@ -240,7 +240,7 @@ def spec_phases() -> list[tuple[object, str]]:
     from tokenmill.engine.scheduler import Scheduler
     from tokenmill.layers import sampler
     from tokenmill.runner.model_runner import ModelRunner
-    from tokenmill.spec import draft_model, target_step
+    from tokenmill.speculative import draft_model, target_step
 
     return [(LLMEngine, "_propose"), (LLMEngine, "_resolve"), (LLMEngine, "_append_tokens"), (Scheduler, "schedule"),
             (ModelRunner, "prepare_inputs"), (ModelRunner, "_logits"), (ModelRunner, "_copy_to_host"),

@@ -10,7 +10,7 @@ python3 -c 'import torch, triton, transformers; print("torch", torch.__version__
 for part in "${@:-tests attention engine}"; do
   for p in $part; do
     case $p in
-      tests) python3 -m pytest -q -rP -m gpu -p no:cacheprovider tests/models tests/kernels tests/layers tests/engine tests/spec 2>&1 | tee "$out/gpu_tests.log" ;;
+      tests) python3 -m pytest -q -rP -m gpu -p no:cacheprovider tests/models tests/kernels tests/layers tests/engine tests/speculative 2>&1 | tee "$out/gpu_tests.log" ;;
       attention) python3 benchmarks/attention_bench.py 2>&1 | tee "$out/attention_bench.log" ;;
       engine) python3 benchmarks/gpu_bench.py --json "$out/gpu_bench.json" 2>&1 | tee "$out/gpu_bench.log" ;;
       quick) python3 benchmarks/gpu_bench.py --quick 2>&1 | tee "$out/gpu_bench_quick.log" ;;

@@ -58,7 +58,7 @@ from tokenmill.config import BENCHMARK_ACCEPT_ALL, BENCHMARK_ACCEPT_ALL_ENV  # n
 from tokenmill.runner.batch import Chunk, pack  # noqa: E402
 from tokenmill.runner.cuda_graphs import StepGraphs  # noqa: E402
 from tokenmill.runner.model_runner import ModelRunner  # noqa: E402
-from tokenmill.spec.stats import SpecStats  # noqa: E402
+from tokenmill.speculative.stats import SpecStats  # noqa: E402
 
 LLAMA_32_1B = {
     **LLAMA_31_8B, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,

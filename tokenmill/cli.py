@@ -11,7 +11,7 @@ from tokenmill.bench.cli import register as register_bench
 from tokenmill.config import EngineConfig, add_engine_args
 from tokenmill.errors import TokenmillError
 from tokenmill.server.serve import register as register_serve
-from tokenmill.spec.cli import register as register_draft_vocab
+from tokenmill.speculative.cli import register as register_draft_vocab
 
 
 def build_parser() -> argparse.ArgumentParser:

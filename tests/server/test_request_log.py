@@ -89,7 +89,7 @@ def test_daily_files_n_children_and_aborts(tmp_path: Path) -> None:
 
 
 def test_log_dir_feeds_draft_vocab_build(tmp_path: Path) -> None:
-    from tokenmill.spec.draft_vocab import build_draft_vocab
+    from tokenmill.speculative.draft_vocab import build_draft_vocab
 
     log = RequestLog(tmp_path)
     for i, ids in enumerate([[4, 4, 9], [4, 2], [9, 4]]):

@@ -20,8 +20,8 @@ from tokenmill.models.loader import load_hf_config, load_tokenizer, resolve_mode
 from tokenmill.outputs import CompletionOutput, RequestOutput, SpecUsage, TokenLogprobs
 from tokenmill.runner.model_runner import ModelRunner, StepOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec.proposers import DraftModel, build_proposer
-from tokenmill.spec.stats import SpecStats
+from tokenmill.speculative.proposers import DraftModel, build_proposer
+from tokenmill.speculative.stats import SpecStats
 
 logger = logging.getLogger(__name__)
 

@@ -250,7 +250,7 @@ class ModelRunner:
             for r in sampling_requests
         ]
         if self.spec_verification is not None:
-            from tokenmill.spec.target_step import verify_drafts
+            from tokenmill.speculative.target_step import verify_drafts
 
             spec = verify_drafts(logits, sampling_requests, self.vocab_size, self.spec_verification,
                                  self.spec_benchmark_length)

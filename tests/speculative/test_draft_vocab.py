@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tokenmill.errors import ConfigError
-from tokenmill.spec.draft_vocab import (
+from tokenmill.speculative.draft_vocab import (
     build_draft_vocab,
     count_tokens,
     load_draft_vocab,
@@ -201,7 +201,7 @@ def test_build_errors(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- CLI
 
 def run_cli(argv: list[str]) -> int:
-    from tokenmill.spec.cli import register
+    from tokenmill.speculative.cli import register
 
     parser = argparse.ArgumentParser(prog="tokenmill")
     register(parser.add_subparsers(dest="command", required=True))
@@ -242,7 +242,7 @@ def test_cli_errors_and_help(tmp_path: Path, tiny_model: Path) -> None:
         run_cli(["draft-vocab", "build", "--from", str(tmp_path), "--size", "0", "--out", str(tmp_path / "x.txt")])
     with pytest.raises(SystemExit):
         run_cli(["draft-vocab"])  # the action is required
-    from tokenmill.spec.cli import register
+    from tokenmill.speculative.cli import register
 
     parser = argparse.ArgumentParser(prog="tokenmill")
     sub = register(parser.add_subparsers())

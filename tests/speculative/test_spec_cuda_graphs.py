@@ -91,7 +91,7 @@ def test_followed_catch_up_runs_behind_the_verify_without_reading_it(
     """Under graphs the next catch-up is launched behind each verify step from the device's copy
     of its result, reading nothing on the host; proposals draft from its logits (equal to a
     catch-up run after the host appended the tokens) and the output is plain decoding's."""
-    from tokenmill.spec.draft_model import DraftModelProposer, _FollowedCatchUp
+    from tokenmill.speculative.draft_model import DraftModelProposer, _FollowedCatchUp
 
     follow, logits_for, propose = DraftModelProposer._follow_verify, _FollowedCatchUp.logits_for, DraftModelProposer.propose
     proposers: list[DraftModelProposer] = []

@@ -139,8 +139,8 @@ def test_greedy_drafts_and_their_verification_never_read_the_device(
 ) -> None:
     """Greedy drafting and greedy verification read no tensor value on the host: the drafts go
     from the draft model to the verify step on the device, and the output is still exact."""
-    from tokenmill.spec import target_step
-    from tokenmill.spec.draft_model import DraftModelProposer
+    from tokenmill.speculative import target_step
+    from tokenmill.speculative.draft_model import DraftModelProposer
 
     llm = spec_llm(method="draft_model", model=str(draft_dir), num_speculative_tokens=4, draft_sampling="greedy")
     guarded_calls: list[str] = []
@@ -167,7 +167,7 @@ def test_a_followed_catch_up_gives_the_catch_ups_logits(
     on the device) drafts from the same logits as the catch-up computed after the host appended
     the accepted tokens; it serves every proposal but the first, also once requests of its batch
     have finished (a subset of its rows), and the output is plain decoding's."""
-    from tokenmill.spec.draft_model import _FollowedCatchUp
+    from tokenmill.speculative.draft_model import _FollowedCatchUp
 
     llm = spec_llm(method="draft_model", model=str(draft_dir), num_speculative_tokens=4, draft_sampling="greedy")
     proposer = llm.engine.proposer

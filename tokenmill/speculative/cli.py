@@ -57,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run_build(args: argparse.Namespace) -> int:
     from tokenmill.errors import ConfigError
     from tokenmill.models.loader import load_tokenizer, resolve_model
-    from tokenmill.spec.draft_vocab import count_tokens, save_draft_vocab, select_top, source_files
+    from tokenmill.speculative.draft_vocab import count_tokens, save_draft_vocab, select_top, source_files
 
     if args.size < 1:
         raise ConfigError(f"--size must be at least 1, got {args.size}")

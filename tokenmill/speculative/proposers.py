@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.config import EngineConfig, SpeculativeConfig
 from tokenmill.engine.request import NO_DRAFTS, Drafts, Request
-from tokenmill.spec.draft_model import DraftModel, DraftModelProposer
-from tokenmill.spec.ngram import NgramProposer
+from tokenmill.speculative.draft_model import DraftModel, DraftModelProposer
+from tokenmill.speculative.ngram import NgramProposer
 
 if TYPE_CHECKING:
     from tokenmill.engine.kv_cache import KVCacheManager

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.spec.ngram import NgramProposer
+from tokenmill.speculative.ngram import NgramProposer
 
 
 def reference(ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:

@@ -21,7 +21,7 @@ from tokenmill.config import BENCHMARK_ACCEPT_ALL
 from tokenmill.engine.request import Request
 from tokenmill.layers.sampler import SamplingMetadata, SamplingRow, gather_logprobs, processed_probs, row_argmax
 from tokenmill.runner.batch import to_device
-from tokenmill.spec.verify import (
+from tokenmill.speculative.verify import (
     VerifyInput,
     VerifyOutput,
     accept_all,

@@ -28,7 +28,7 @@ from tokenmill.models.loader import iter_weights, load_hf_config, resolve_model
 from tokenmill.models.registry import model_class
 from tokenmill.runner.batch import Chunk, flat_block_tables, pack, slot_of, to_device
 from tokenmill.runner.model_runner import KV_DTYPES, init_dummy_weights
-from tokenmill.spec.draft_vocab import load_draft_vocab
+from tokenmill.speculative.draft_vocab import load_draft_vocab
 
 if TYPE_CHECKING:
     from tokenmill.engine.kv_cache import KVCacheManager

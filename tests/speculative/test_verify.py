@@ -23,8 +23,8 @@ from no_host_sync import forbid_host_reads
 
 from tokenmill.layers.sampler import SamplingMetadata, SamplingRow, exponential_argmax, processed_probs
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec import verify as verify_module
-from tokenmill.spec.verify import (
+from tokenmill.speculative import verify as verify_module
+from tokenmill.speculative.verify import (
     VerifyInput,
     VerifyOutput,
     accept_all,
