@@ -46,7 +46,7 @@ from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.config import BENCHMARK_ACCEPT_ALL_ENV  # noqa: E402
 from tokenmill.kernels.few_row_mma import few_row_mma, few_row_mma_tile  # noqa: E402
 from tokenmill.kernels.gemv import MAX_ROWS, GemvTile, gemv, gemv_tile  # noqa: E402
-from tokenmill.layers.linear import fp8_rows  # noqa: E402
+from tokenmill.quantization import fp8_rows  # noqa: E402
 from tokenmill.runner.cuda_graphs import StepGraphs  # noqa: E402
 
 L2_BYTES = 64 << 20

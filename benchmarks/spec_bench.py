@@ -330,10 +330,11 @@ def prompt_pass(llm: LLM, target_dir: Path, common: dict, report: Callable[[str,
     through the widened copies a CPU uses): the host's launch time and the wall time; and the
     time to first token with the draft following the prefill against the target alone."""
     from tokenmill.layers.linear import Linear
+    from tokenmill.quantization import Fp8RowLinearMethod
 
     proposer = llm.engine.proposer
     draft, size = proposer.draft.model, proposer.draft.block_size
-    linears = [m for m in draft.modules() if isinstance(m, Linear) and m.weight_scale is not None]
+    linears = [m for m in draft.modules() if isinstance(m, Linear) and isinstance(m.method, Fp8RowLinearMethod)]
     plain = LLM(str(target_dir), **common)
     params = SamplingParams(temperature=0, max_tokens=1)
     rng = random.Random(5)
@@ -345,13 +346,13 @@ def prompt_pass(llm: LLM, target_dir: Path, common: dict, report: Callable[[str,
             ids, positions, metadata = pack([chunk], size, proposer.draft.device)
             for kernel in (True, False):
                 for m in linears:
-                    m.few_row_kernel = kernel
+                    m.method.use_triton = kernel
                 with torch.inference_mode():
                     host, wall = launch_and_wall_ms(lambda: draft(ids, positions, metadata))
                 report(f"draft prompt pass, {tokens} tokens, {'FP8 kernel' if kernel else 'widened copies'}: host / wall",
                        host, f"/ {wall:.2f} ms")
             for m in linears:
-                m.few_row_kernel = True
+                m.method.use_triton = True
             ttft = [1e3 * median_time(lambda e=e: e.generate([random_prompt(tokens, rng)], params), repeats=9)
                     for e in (llm, plain)]
             report(f"  time to first token, {tokens}-token prompt: with the draft / target alone", ttft[0],

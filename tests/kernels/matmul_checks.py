@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from tokenmill.kernels.gemv import gemv_ref
-from tokenmill.layers.linear import fp8_rows
+from tokenmill.quantization import fp8_rows
 
 FewRowMatmul = Callable[..., torch.Tensor]
 

@@ -13,7 +13,7 @@ from matmul_checks import (
 
 from tokenmill.kernels.few_row_mma import MMA_ROWS, few_row_mma, fp8_linear
 from tokenmill.kernels.gemv import GemvTile
-from tokenmill.layers.linear import fp8_rows
+from tokenmill.quantization import fp8_rows
 
 
 @pytest.mark.parametrize(

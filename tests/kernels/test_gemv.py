@@ -14,7 +14,9 @@ from matmul_checks import (
 
 from tokenmill.kernels.few_row_mma import MMA_ROWS, few_row_mma, fp8_linear
 from tokenmill.kernels.gemv import MAX_ROWS, GemvTile, gemv, gemv_ref
-from tokenmill.layers.linear import FMA_ROWS, Linear, fp8_rows
+from tokenmill.layers.linear import Linear
+from tokenmill.quantization import UnquantizedLinearMethod, fp8_rows, quantize_fp8_
+from tokenmill.quantization.unquantized import FMA_ROWS
 
 
 @pytest.mark.parametrize(
@@ -121,9 +123,9 @@ def test_linear_dispatch_gives_torch_result(
     monkeypatch.setattr(mma_module, "fp8_linear",
                         lambda *args, **kwargs: calls.append("mma") or fp8_linear(*args, **kwargs))
     torch.manual_seed(1)
-    layer = Linear(in_features, 24, bias=True, few_row_kernel=True)
+    layer = Linear(in_features, 24, bias=True, method=UnquantizedLinearMethod(use_triton=True))
     if fp8:
-        layer.quantize_fp8_()
+        quantize_fp8_(layer)
     x = torch.randn(rows, in_features)
     expected = torch.nn.functional.linear(x, layer.dequantized_weight(), layer.bias)
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from tokenmill.layers.linear import Linear, quantize_fp8_
+from tokenmill.layers.linear import Linear
+from tokenmill.quantization import quantize_fp8_
 
 
 def test_rows_keep_their_largest_value_and_fp8_precision() -> None:
@@ -16,7 +17,7 @@ def test_rows_keep_their_largest_value_and_fp8_precision() -> None:
     with torch.no_grad():
         layer.weight.mul_(torch.logspace(-3, 2, 64)[:, None])  # rows five decades apart
     original = layer.weight.detach().clone()
-    layer.quantize_fp8_()
+    quantize_fp8_(layer)
     assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.shape == (64,)
     restored = layer.dequantized_weight()
     torch.testing.assert_close(restored.abs().amax(1), original.abs().amax(1), rtol=1e-6, atol=0)
@@ -29,24 +30,24 @@ def test_rows_keep_their_largest_value_and_fp8_precision() -> None:
 def test_product_equals_the_dequantized_weights() -> None:
     torch.manual_seed(1)
     layer = Linear(48, 20, bias=True)
-    layer.quantize_fp8_()
+    quantize_fp8_(layer)
     x = torch.randn(7, 48)
     expected = torch.nn.functional.linear(x, layer.dequantized_weight(), layer.bias)
     torch.testing.assert_close(layer(x), expected, rtol=1e-6, atol=1e-6)
     bf16 = Linear(48, 20, bias=True, dtype=torch.bfloat16)
-    bf16.quantize_fp8_()
+    quantize_fp8_(bf16)
     assert bf16(x.bfloat16()).dtype == torch.bfloat16
 
 
 def test_a_weight_wider_than_a_slab_is_dequantized_slab_by_slab(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows beyond DEQUANT_ROWS (and a last, partial slab) give the whole dequantized weight's
     product, bias included, for 2-D and 3-D x."""
-    import tokenmill.layers.linear as linear
+    import tokenmill.quantization.fp8 as linear
 
     monkeypatch.setattr(linear, "DEQUANT_ROWS", 8)
     torch.manual_seed(3)
     layer = Linear(24, 21, bias=True)
-    layer.quantize_fp8_()
+    quantize_fp8_(layer)
     for x in (torch.randn(5, 24), torch.randn(2, 3, 24)):
         expected = torch.nn.functional.linear(x, layer.dequantized_weight(), layer.bias)
         torch.testing.assert_close(layer(x), expected, rtol=1e-6, atol=1e-6)
@@ -70,6 +71,6 @@ def test_model_quantization_copies_a_tied_head_and_keeps_the_embedding() -> None
     assert model.head.weight.dtype == model.proj.weight.dtype == torch.float8_e4m3fn
     torch.testing.assert_close(model.head.dequantized_weight(), embedding, rtol=2**-4, atol=1e-3)
     before = model.head.weight
-    model.head.quantize_fp8_()  # twice is once
+    quantize_fp8_(model.head)  # twice is once
     assert model.head.weight is before
     assert "head.weight_scale" in model.state_dict()

@@ -21,6 +21,8 @@ from tokenmill.layers.attention import AttentionBackend, AttentionMetadata
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.quantization import QuantizationConfig, Unquantized
+from tokenmill.quantization.weight_loading import whole_loader
 
 # checkpoint projection -> (fused parameter, shard index)
 _FUSED = {
@@ -55,7 +57,8 @@ class Variant:
 
 class Attention(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, rotary: RotaryEmbedding, backend: AttentionBackend, variant: Variant, fused: bool
+        self, config: PretrainedConfig, rotary: RotaryEmbedding, backend: AttentionBackend, variant: Variant, fused: bool,
+        quant: QuantizationConfig, prefix: str,
     ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -66,8 +69,9 @@ class Attention(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = bias if variant.qkv_bias is None else variant.qkv_bias
         o_bias = bias if variant.o_bias is None else variant.o_bias
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias, few_row_kernel=fused)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias, few_row_kernel=fused)
+        self.qkv_proj = Linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias,
+                               method=quant.linear_method(f"{prefix}.qkv_proj"))
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias, method=quant.linear_method(f"{prefix}.o_proj"))
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, fused) if variant.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, fused) if variant.qk_norm else None
         self.rotary = rotary
@@ -78,11 +82,8 @@ class Attention(nn.Module):
         # (k_scale, v_scale) as the checkpoint gives them; the runner applies them to an FP8 cache only.
         self.checkpoint_kv_scales: tuple[float, float] | None = None
 
-    def shard_sizes(self) -> list[int]:
-        return [self.q_size, self.kv_size, self.kv_size]
-
     def forward(self, positions: torch.Tensor, x: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.shard_sizes(), dim=-1)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -99,16 +100,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, fused: bool) -> None:
+    def __init__(self, config: PretrainedConfig, fused: bool, quant: QuantizationConfig, prefix: str) -> None:
         super().__init__()
         self.fused = fused
-        self.intermediate_size = config.intermediate_size
+        size = config.intermediate_size
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias, few_row_kernel=fused)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias, few_row_kernel=fused)
-
-    def shard_sizes(self) -> list[int]:
-        return [self.intermediate_size, self.intermediate_size]
+        self.gate_up_proj = Linear(config.hidden_size, [size, size], bias=bias,
+                                   method=quant.linear_method(f"{prefix}.gate_up_proj"))
+        self.down_proj = Linear(size, config.hidden_size, bias=bias, method=quant.linear_method(f"{prefix}.down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -122,13 +121,14 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, rotary: RotaryEmbedding, backend: AttentionBackend, variant: Variant, fused: bool
+        self, config: PretrainedConfig, rotary: RotaryEmbedding, backend: AttentionBackend, variant: Variant, fused: bool,
+        quant: QuantizationConfig, prefix: str,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
-        self.self_attn = Attention(config, rotary, backend, variant, fused)
+        self.self_attn = Attention(config, rotary, backend, variant, fused, quant, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
-        self.mlp = MLP(config, fused)
+        self.mlp = MLP(config, fused, quant, f"{prefix}.mlp")
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, metadata: AttentionMetadata
@@ -145,13 +145,15 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int, variant: Variant, fused: bool
+        self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int, variant: Variant, fused: bool,
+        quant: QuantizationConfig,
     ) -> None:
         super().__init__()
         rotary = RotaryEmbedding(config, head_dim_of(config), max_positions, fused)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, backend, variant, fused) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, rotary, backend, variant, fused, quant, f"model.layers.{i}")
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
 
@@ -168,14 +170,16 @@ class LlamaForCausalLM(nn.Module):
     variant = Variant()
 
     def __init__(
-        self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int, fused_ops: bool = False
+        self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int, fused_ops: bool = False,
+        quant: QuantizationConfig | None = None,
     ) -> None:
         """fused_ops: Triton kernels for RMSNorm (+ residual), rotary, SiLU-and-mul and few-row matmuls (CUDA)."""
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, backend, max_positions, self.variant, fused_ops)
+        quant = quant or Unquantized(fused_ops)
+        self.model = DecoderModel(config, backend, max_positions, self.variant, fused_ops, quant)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, few_row_kernel=fused_ops)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, method=quant.linear_method("lm_head"))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -191,7 +195,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        loaded: set[tuple[str, int | None]] = set()
         kv_scales: dict[str, dict[str, float]] = {}
         for name, tensor in weights:
             if "rotary_emb" in name or _UNUSED_SCALE.fullmatch(name):
@@ -204,17 +208,17 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue
-            target, offset, size = self._locate(name)
+            target, shard = self._locate(name)
             if target not in params:
                 raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             param = params[target]
-            dest = param.narrow(0, offset, size) if size else param
-            if dest.shape != tensor.shape:
-                raise ModelLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(dest.shape)}")
-            dest.copy_(tensor)
-            loaded.add(f"{target}:{offset}")
-        expected = {f"{n}:{o}" for n, o in self._expected_slots(params)}
-        missing = sorted(expected - loaded)
+            try:
+                getattr(param, "weight_loader", whole_loader)(param, tensor, shard)
+            except ModelLoadError as error:
+                raise ModelLoadError(f"{name}: {error}") from None
+            loaded.add((target, shard))
+        expected = {(n, s) for n, p in params.items() for s in (getattr(p, "shards", None) or [None])}
+        missing = sorted(f"{n}:{s}" for n, s in expected - loaded)
         if missing:
             raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
         self._set_kv_scales(kv_scales)
@@ -234,29 +238,14 @@ class LlamaForCausalLM(nn.Module):
                                      f"{'v' if 'k' in given else 'k'}_scale; FP8 KV needs both")
             attention.checkpoint_kv_scales = (given["k"], given["v"])
 
-    def _locate(self, name: str) -> tuple[str, int, int]:
-        """(model parameter, row offset, rows) for a checkpoint tensor; rows 0 = the whole parameter."""
+    def _locate(self, name: str) -> tuple[str, int | None]:
+        """(model parameter, shard of a fused projection or None) of a checkpoint tensor."""
         parts = name.split(".")
         for i, part in enumerate(parts):
             if part in _FUSED:
-                fused, shard = _FUSED[part]
-                parts[i] = fused
-                target = ".".join(parts)
-                owner = self.get_submodule(".".join(parts[:i]))
-                sizes = owner.shard_sizes()
-                return target, sum(sizes[:shard]), sizes[shard]
-        return name, 0, 0
-
-    def _expected_slots(self, params: dict[str, nn.Parameter]) -> Iterable[tuple[str, int]]:
-        for name in params:
-            if self.tie_word_embeddings and name == "lm_head.weight":
-                continue
-            if ".qkv_proj." in name or ".gate_up_proj." in name:
-                owner = self.get_submodule(name.rsplit(".", 2)[0])
-                sizes = owner.shard_sizes()
-                yield from ((name, sum(sizes[:s])) for s in range(len(sizes)))
-            else:
-                yield name, 0
+                parts[i], shard = _FUSED[part]
+                return ".".join(parts), shard
+        return name, None
 
 
 def _kv_scale_value(name: str, tensor: torch.Tensor) -> float:

@@ -21,11 +21,12 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.request import Drafts, Request
 from tokenmill.errors import ConfigError
 from tokenmill.layers.attention import ATTENTION_BACKENDS, AttentionMetadata
-from tokenmill.layers.linear import Linear, quantize_fp8_
+from tokenmill.layers.linear import Linear
 from tokenmill.layers.sampler import SamplingMetadata, SamplingRow, processed_probs, row_argmax
 from tokenmill.models.llama import head_dim_of
 from tokenmill.models.loader import iter_weights, load_hf_config, resolve_model
 from tokenmill.models.registry import model_class
+from tokenmill.quantization import UnquantizedLinearMethod, quantize_fp8_
 from tokenmill.runner.batch import Chunk, flat_block_tables, pack, slot_of, to_device
 from tokenmill.runner.model_runner import KV_DTYPES, init_dummy_weights
 from tokenmill.speculative.draft_vocab import load_draft_vocab
@@ -76,8 +77,8 @@ class DraftModel:
             raise ConfigError(f"draft_vocab has ids up to {int(ids.max())} beyond the draft's vocabulary")
         head = self.model.lm_head
         rows = head.weight.detach()[ids.to(self.device)].clone()
-        self.model.lm_head = Linear(rows.shape[1], rows.shape[0], bias=False, few_row_kernel=self.device.type == "cuda",
-                                    device=self.device, dtype=rows.dtype)
+        self.model.lm_head = Linear(rows.shape[1], rows.shape[0], bias=False, device=self.device, dtype=rows.dtype,
+                                    method=UnquantizedLinearMethod(use_triton=self.device.type == "cuda"))
         self.model.lm_head.weight.data.copy_(rows)
         self.vocab_ids = ids.to(self.device)
 
