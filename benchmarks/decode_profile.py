@@ -26,7 +26,6 @@ import bisect
 import collections
 import functools
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -43,9 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import LLAMA_31_8B, copy_bandwidth, decode_rate, graph_time, replay_seconds  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
-from tokenmill.config import BENCHMARK_ACCEPT_ALL_ENV  # noqa: E402
 from tokenmill.kernels.few_row_mma import few_row_mma, few_row_mma_tile  # noqa: E402
 from tokenmill.kernels.gemv import MAX_ROWS, GemvTile, gemv, gemv_tile  # noqa: E402
+from tokenmill.kv.planner import bytes_per_block  # noqa: E402
 from tokenmill.quantization import fp8_rows  # noqa: E402
 from tokenmill.runner.cuda_graphs import StepGraphs  # noqa: E402
 
@@ -169,7 +168,7 @@ def bench_kernels(config_dir: str, copy_gbs: float) -> None:
         rate = decode_rate(llm, context if context <= 128 else context - 256, 64)
         bare = 1 / replay_seconds(replay)
         weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-        kv_bytes = context * runner.kv_bytes_per_block() / runner.block_size
+        kv_bytes = context * bytes_per_block(runner.model.cache_specs()) / runner.block_size
         print(f"  engine {rate:.1f} tok/s vs bare replay {bare:.1f} tok/s ({rate / bare:.1%});"
               f" roofline {copy_gbs * 1e9 / (weights + kv_bytes):.1f} tok/s")
         del llm, runner, graphs
@@ -238,9 +237,10 @@ def spec_phases() -> list[tuple[object, str]]:
     """(owner, attribute) of the host phases of a speculative step, labelled in the profile."""
     from tokenmill.engine.engine import LLMEngine
     from tokenmill.engine.scheduler import Scheduler
-    from tokenmill.layers import sampler
     from tokenmill.runner.model_runner import ModelRunner
-    from tokenmill.speculative import draft_model, target_step
+    from tokenmill.sample import draft_verification as target_step
+    from tokenmill.sample import sampler
+    from tokenmill.speculative import draft_model
 
     return [(LLMEngine, "_propose"), (LLMEngine, "_resolve"), (LLMEngine, "_append_tokens"), (Scheduler, "schedule"),
             (ModelRunner, "prepare_inputs"), (ModelRunner, "_logits"), (ModelRunner, "_copy_to_host"),
@@ -312,12 +312,11 @@ def bench_idle(target_dir: str, draft_dir: str) -> None:
     llm = LLM(target_dir, **common)
     idle_profile(llm, "plain decode bs=1")
     del llm
-    os.environ[BENCHMARK_ACCEPT_ALL_ENV] = "1"
     # The issue's target as spec_bench measures it: a fixed acceptance length of 3.5, gamma 3,
     # the FP8 draft with a 32k draft vocabulary.
     vocab_file = Path(target_dir).parent / "draft_vocab.npy"
     numpy.save(vocab_file, numpy.arange(32768, dtype=numpy.int64))
-    llm = LLM(target_dir, **common, speculative_config=draft_spec(Path(draft_dir), 3, vocab_file, "fp8", 3.5))
+    llm = LLM(target_dir, **common, **draft_spec(Path(draft_dir), 3, vocab_file, "fp8", 3.5))
     idle_profile(llm, "spec at fixed acceptance length 3.5, bs=1, 1B-shape FP8 draft, 32k draft vocabulary, gamma 3")
 
 

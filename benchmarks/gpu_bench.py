@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.kv.planner import bytes_per_block
 
 LLAMA_31_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
@@ -234,7 +235,7 @@ def main() -> None:
             fp8 = LLM(tmp, kv_cache_bytes=40 << 30, kv_cache_dtype="fp8", **common)
             report("KV capacity fp8 @ 40 GiB", fp8.engine.kv.num_blocks * fp8.engine.kv.block_size, "tokens")
             depth = 8192 if args.quick else 32768
-            kv_bytes = depth * fp8.engine.runner.kv_bytes_per_block() / fp8.engine.kv.block_size
+            kv_bytes = depth * bytes_per_block(fp8.engine.runner.model.cache_specs()) / fp8.engine.kv.block_size
             report(f"tg @ d{depth} bs=1, fp8 KV", decode_rate(fp8, depth, n), "tok/s",
                    bandwidth / (weights + kv_bytes), "weight+KV roofline")
 

@@ -36,7 +36,6 @@ import argparse
 import bisect
 import gc
 import json
-import os
 import random
 import statistics
 import sys
@@ -54,8 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import LLAMA_31_8B, decode_rate, median_time, random_prompt, replay_seconds  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
-from tokenmill.config import BENCHMARK_ACCEPT_ALL, BENCHMARK_ACCEPT_ALL_ENV  # noqa: E402
-from tokenmill.runner.batch import Chunk, pack  # noqa: E402
+from tokenmill.config import BenchmarkOnlyConfig  # noqa: E402
+from tokenmill.runner.batch import Chunk, pack_context  # noqa: E402
 from tokenmill.runner.cuda_graphs import StepGraphs  # noqa: E402
 from tokenmill.runner.model_runner import ModelRunner  # noqa: E402
 from tokenmill.speculative.stats import SpecStats  # noqa: E402
@@ -88,13 +87,13 @@ def ragged_step_ms(runner: ModelRunner, verify: StepGraphs, rows: int, context: 
     """Wall milliseconds (host launches included) of one bs=1 step adding `rows` tokens, every
     one sampled: eager, or padded into the verify graph as the runner does it."""
     table = list(range(-(-context // runner.block_size)))
-    ids, positions, metadata = pack([Chunk([0] * rows, context - rows, table)], runner.block_size, runner.device)
+    ids, ctx = pack_context([Chunk([0] * rows, context - rows, table)], runner.block_size, runner.device)
     model = runner.model
 
     def step() -> torch.Tensor:
         if padded:
-            return verify.run_padded(ids, metadata)
-        return model.compute_logits(model(ids, positions, metadata))
+            return verify.run_padded(ids, ctx)
+        return model.compute_logits(model(ids, ctx))
 
     with torch.inference_mode():
         return 1e3 * median_time(step, repeats=20)
@@ -162,7 +161,6 @@ def main() -> None:
             ngram_on_own_output(target_dir, common, [int(g) for g in args.ngram_gammas.split(",")], args.tokens, report,
                                 [int(seed) for seed in args.ngram_seeds.split(",")])
 
-        os.environ[BENCHMARK_ACCEPT_ALL_ENV] = "1"
         # The draft's head cut to a 32k-token draft vocabulary (the head is 21% of the 1B's
         # bytes): what `tokenmill draft-vocab build` buys.
         vocab_file = Path(tmp, "draft_vocab.npy")
@@ -176,7 +174,7 @@ def main() -> None:
                                   args.draft_quantization, args.acceptance_length)
         if parts & {"cycle", "prompt"}:
             gamma = int(args.vocab_gammas.split(",")[0]) if args.vocab_gammas else args.gamma
-            llm = LLM(str(target_dir), **common, speculative_config=draft_spec(
+            llm = LLM(str(target_dir), **common, **draft_spec(
                 draft_dir, gamma, vocab_file, args.draft_quantization, args.acceptance_length))
             if "cycle" in parts:
                 steady_cycle(llm, base, report)
@@ -244,16 +242,16 @@ def tail_period(ids: list[int], longest: int) -> int:
 
 def draft_spec(draft_dir: Path, gamma: int, draft_vocab: Path | None, quantization: str | None,
                length: float | None) -> dict:
-    """The BENCHMARK-ONLY accept-all (or fixed acceptance length) configuration of the 1B-shape draft."""
+    """LLM options of the BENCHMARK-ONLY accept-all (or fixed acceptance length) configuration of
+    the 1B-shape draft."""
     spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": gamma,
-            "draft_sampling": "greedy", "verification": BENCHMARK_ACCEPT_ALL}
-    if length is not None:
-        spec["benchmark_acceptance_length"] = length
+            "draft_sampling": "greedy"}
     if draft_vocab is not None:
         spec["draft_vocab"] = str(draft_vocab)
     if quantization:
         spec["quantization"] = quantization
-    return spec
+    return {"speculative_config": spec,
+            "benchmark_only": BenchmarkOnlyConfig(accept_all_drafts=True, acceptance_length=length)}
 
 
 def accept_all_decode(target_dir: Path, draft_dir: Path, common: dict, gamma: int, tokens: int, base: float,
@@ -265,7 +263,7 @@ def accept_all_decode(target_dir: Path, draft_dir: Path, common: dict, gamma: in
     label = f", gamma {gamma}" + ("" if draft_vocab is None else ", 32k draft vocabulary")
     label += f", {quantization} draft" if quantization else ""
     mode = "accept-all" if length is None else f"fixed acceptance length {length}"
-    draft = LLM(str(target_dir), **common, speculative_config=draft_spec(draft_dir, gamma, draft_vocab, quantization, length))
+    draft = LLM(str(target_dir), **common, **draft_spec(draft_dir, gamma, draft_vocab, quantization, length))
     rate = decode_rate(draft, 128, tokens)
     report(f"BENCHMARK-ONLY {mode}: bs=1 decode, 1B-shape draft{label}", rate, "tok/s")
     report(f"  ratio to no speculation{label}", rate / base, "x")
@@ -343,12 +341,12 @@ def prompt_pass(llm: LLM, target_dir: Path, common: dict, report: Callable[[str,
         for tokens in (128, 2048):
             # Free blocks' draft KV is scratch here: nothing runs, and a prefix hit recomputes the draft's part.
             chunk = Chunk(list(range(tokens)), 0, list(range(-(-tokens // size))))
-            ids, positions, metadata = pack([chunk], size, proposer.draft.device)
+            ids, ctx = pack_context([chunk], size, proposer.draft.device)
             for kernel in (True, False):
                 for m in linears:
                     m.method.use_triton = kernel
                 with torch.inference_mode():
-                    host, wall = launch_and_wall_ms(lambda: draft(ids, positions, metadata))
+                    host, wall = launch_and_wall_ms(lambda: draft(ids, ctx))
                 report(f"draft prompt pass, {tokens} tokens, {'FP8 kernel' if kernel else 'widened copies'}: host / wall",
                        host, f"/ {wall:.2f} ms")
             for m in linears:

@@ -7,7 +7,6 @@ command-line flags, so `--help` and this file never disagree.
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -82,9 +81,6 @@ class ParallelConfig:
 
 
 SPEC_METHODS = ("ngram", "draft_model")
-# Accepts every draft: shows what the machinery allows at full acceptance. Not lossless.
-BENCHMARK_ACCEPT_ALL = "benchmark_accept_all"
-BENCHMARK_ACCEPT_ALL_ENV = "TOKENMILL_BENCHMARK_ONLY_ACCEPT_ALL"
 
 
 @dataclass(frozen=True)
@@ -108,10 +104,6 @@ class SpeculativeConfig:
     quantization: str | None = None
     """fp8: quantize the draft's linear layers (output head too) to FP8 E4M3 weights at load, one
     scale per output row (weight-only); halves the bytes each draft step reads."""
-    benchmark_acceptance_length: float | None = None
-    """Only with verification benchmark_accept_all: accept drafts in a fixed pattern whose mean
-    acceptance length (accepted drafts + 1) is this, instead of all (measures a given acceptance
-    length with a draft that agrees with nothing, as random weights do)."""
     prompt_lookup_min: int = 1
     """Shortest suffix n-gram the ngram proposer matches."""
     prompt_lookup_max: int = 4
@@ -127,6 +119,11 @@ class SpeculativeConfig:
             values = json.loads(text)
         except json.JSONDecodeError as error:
             raise ConfigError(f"--speculative-config is not valid JSON: {error}") from None
+        benchmark_only = sorted({"benchmark_acceptance_length"} & set(values))
+        if benchmark_only or values.get("verification") == "benchmark_accept_all":
+            raise ConfigError("accepting drafts without verification (verification benchmark_accept_all, "
+                              "benchmark_acceptance_length) is a benchmark-only mode, not lossless, and never a "
+                              "serving option: benchmarks set EngineConfig.benchmark_only from Python")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -142,18 +139,8 @@ class SpeculativeConfig:
             raise ConfigError('the draft_model method needs "model": a draft checkpoint with the target\'s tokenizer')
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ConfigError("num_speculative_tokens must be in 1..16")
-        if self.verification == BENCHMARK_ACCEPT_ALL:
-            if os.environ.get(BENCHMARK_ACCEPT_ALL_ENV) != "1":
-                raise ConfigError(f"{BENCHMARK_ACCEPT_ALL} is a benchmark-only mode (not lossless); it needs "
-                                  f"{BENCHMARK_ACCEPT_ALL_ENV}=1 and is never a serving option")
-        elif self.verification not in ("token", "block"):
+        if self.verification not in ("token", "block"):
             raise ConfigError(f"verification must be token or block, not {self.verification!r}")
-        length = self.benchmark_acceptance_length
-        if length is not None and self.verification != BENCHMARK_ACCEPT_ALL:
-            raise ConfigError(f"benchmark_acceptance_length needs verification {BENCHMARK_ACCEPT_ALL} (benchmark-only)")
-        if length is not None and not 1 <= length <= self.num_speculative_tokens + 1:
-            raise ConfigError(f"benchmark_acceptance_length must be in 1..{self.num_speculative_tokens + 1} "
-                              f"(num_speculative_tokens + 1), not {length}")
         if self.draft_sampling not in ("probabilistic", "greedy"):
             raise ConfigError(f"draft_sampling must be probabilistic or greedy, not {self.draft_sampling!r}")
         if self.draft_kv_cache_dtype not in (AUTO, "fp8"):
@@ -167,6 +154,30 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class BenchmarkOnlyConfig:
+    """Switches that make the engine compute something other than the model's answer, for
+    benchmarks alone. They are not lossless, never flags and never in --speculative-config:
+    benchmarks/ sets them from Python (`LLM(..., benchmark_only=BenchmarkOnlyConfig(...))`)."""
+
+    accept_all_drafts: bool = False
+    """Accept every draft without verifying it: what the speculative machinery allows at full
+    acceptance (with a draft that agrees with nothing, as random weights do)."""
+    acceptance_length: float | None = None
+    """With accept_all_drafts: accept drafts in a fixed pattern whose mean acceptance length
+    (accepted drafts + 1) is this, instead of all."""
+
+    def check(self, speculative: SpeculativeConfig) -> None:
+        if self.acceptance_length is not None and not self.accept_all_drafts:
+            raise ConfigError("benchmark_only.acceptance_length needs benchmark_only.accept_all_drafts")
+        if self.accept_all_drafts and speculative.method is None:
+            raise ConfigError("benchmark_only.accept_all_drafts needs speculative decoding")
+        gamma = speculative.num_speculative_tokens
+        if self.acceptance_length is not None and not 1 <= self.acceptance_length <= gamma + 1:
+            raise ConfigError(f"benchmark_only.acceptance_length must be in 1..{gamma + 1} "
+                              f"(num_speculative_tokens + 1), not {self.acceptance_length}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -175,6 +186,8 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     enforce_eager: bool = False
     """Run eagerly (no CUDA graphs). The reference path is always eager."""
+    benchmark_only: BenchmarkOnlyConfig = field(default_factory=BenchmarkOnlyConfig)
+    """Not a serving option: see BenchmarkOnlyConfig."""
 
     def finalize(self, max_position_embeddings: int) -> EngineConfig:
         """Resolve auto values and check what cannot be honoured, before anything is built."""
@@ -188,6 +201,7 @@ class EngineConfig:
         if self.parallel.tensor_parallel_size != 1:
             raise ConfigError("--tensor-parallel-size > 1 is not supported yet; use 1")
         self.speculative.check()
+        self.benchmark_only.check(self.speculative)
 
         dtype = self.model.dtype
         if dtype == AUTO:

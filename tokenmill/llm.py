@@ -108,8 +108,8 @@ def _merge(results: dict[str, RequestOutput], parent: str, child: int, delta: Re
 def _apply_overrides(config: EngineConfig, overrides: dict[str, Any]) -> EngineConfig:
     sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
     for key, value in overrides.items():
-        if key == "enforce_eager":
-            config = replace(config, enforce_eager=value)
+        if key in ("enforce_eager", "benchmark_only"):
+            config = replace(config, **{key: value})
             continue
         if key == "speculative_config":  # None: no speculation, as in vLLM
             spec = value if isinstance(value, SpeculativeConfig) else SpeculativeConfig(**(value or {}))

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenmill.config import SchedulerConfig
-from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.kv.coordinator import KVCacheCoordinator
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -24,7 +24,7 @@ class Simulation:
     def __init__(
         self, num_blocks: int, block_size: int, budget: int, max_seqs: int, policy: str, caching: bool, seed: int
     ) -> None:
-        self.kv = KVCacheManager(num_blocks, block_size, caching)
+        self.kv = KVCacheCoordinator.paged_only(num_blocks, block_size, caching)
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy), self.kv)
         self.rng = random.Random(seed)
         self.slots: dict[tuple[int, int], tuple[int, ...]] = {}

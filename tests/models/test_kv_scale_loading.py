@@ -12,6 +12,7 @@ from tiny_models import save_tiny_checkpoint
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.layers.attention import TorchReferenceBackend
+from tokenmill.models.interface import ModelBuild
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import iter_weights, load_hf_config, resolve_model
 from tokenmill.models.registry import model_class
@@ -30,7 +31,7 @@ def add_tensors(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
 def load(directory: Path) -> LlamaForCausalLM:
     source = resolve_model(str(directory))
     hf_config = load_hf_config(source)
-    model = model_class(hf_config)(hf_config, TorchReferenceBackend(), 64)
+    model = model_class(hf_config)(ModelBuild(hf_config, TorchReferenceBackend(), 64))
     model.load_weights(iter_weights(source))
     return model
 

@@ -11,6 +11,7 @@ import torch
 from tiny_models import TINY_CONFIGS, save_tiny_checkpoint
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.engine.step_builder import build_step_input
 
 # float32 on CPU must agree to 1e-4. bf16 on CUDA is held against the float32 reference with a
 # tolerance of twice the error transformers' own bf16 model makes on the same input.
@@ -62,9 +63,10 @@ def prefill_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     chunks = []
     while request.num_computed_tokens < len(token_ids):
         batch = engine.scheduler.schedule()
-        inputs = engine.runner.prepare_inputs(batch, [engine.kv.block_tables[r.request_id] for r in batch.requests])
+        step = build_step_input(batch, batch.sampling_requests(), engine.kv, (), engine.config)
+        inputs = engine.runner.prepare_inputs(step)
         with torch.inference_mode():
-            hidden = engine.runner.model(inputs.input_ids, inputs.positions, inputs.metadata)
+            hidden = engine.runner.model(inputs.input_ids, inputs.ctx)
             chunks.append(engine.runner.model.compute_logits(hidden).float().cpu())
         engine.scheduler.finish_step(batch)
     engine.abort_request("prefill-probe")

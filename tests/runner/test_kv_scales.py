@@ -16,7 +16,9 @@ from tokenmill.cli import build_parser, main
 from tokenmill.config import CacheConfig, EngineConfig
 from tokenmill.errors import ConfigError
 from tokenmill.layers.attention import TorchReferenceBackend
-from tokenmill.runner.kv_scales import CALIBRATION_TARGET, FP8_E4M3_MAX, calibration_token_ids, measure_kv_amax
+from tokenmill.numerics import FP8_E4M3_MAX
+from tokenmill.quantization.kv_scales import CALIBRATION_TARGET
+from tokenmill.runner.kv_calibration import calibration_token_ids, measure_kv_amax
 
 PROMPT = list(range(3, 40))
 BUDGET = 1 << 20
@@ -72,7 +74,7 @@ def fp8_llm(path: Path, **options: object) -> LLM:
 
 def test_calibrated_scales_fit_e4m3_and_beat_scale_one(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     exact = small_kv_checkpoint(tmp_path)
-    with caplog.at_level(logging.INFO, logger="tokenmill.runner.kv_scales"):
+    with caplog.at_level(logging.INFO, logger="tokenmill.quantization.kv_scales"):
         calibrated = fp8_llm(tmp_path)  # the default: calibrate a checkpoint without scales
     assert "calibrated the scales of 2 layers" in caplog.text
     unscaled = fp8_llm(tmp_path, calculate_kv_scales=False)

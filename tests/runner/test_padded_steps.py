@@ -9,6 +9,7 @@ from tiny_models import save_tiny_checkpoint
 
 from tokenmill import LLM
 from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.layers.step_context import StepContext
 from tokenmill.runner.batch import Chunk, pack
 from tokenmill.runner.cuda_graphs import PADDING_FREE_TOKENS, StepGraphs
 
@@ -24,7 +25,7 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
 
 def forward(llm: LLM, ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
     model = llm.engine.runner.model
-    return model.compute_logits(model(ids, positions, metadata))
+    return model.compute_logits(model(ids, StepContext(positions, metadata)))
 
 
 def test_real_rows_and_cache_equal_the_unpadded_step(llm: LLM) -> None:
@@ -43,10 +44,10 @@ def test_real_rows_and_cache_equal_the_unpadded_step(llm: LLM) -> None:
         after_unpadded = [c.clone() for c in caches]
         for cache, saved in zip(caches, before):
             cache.copy_(saved)
-        step = runner.step_graphs(runner.model, 3, 5, "verify").pad(ids, metadata)  # built, never captured
-        assert step.metadata.query_lens_host == [5, 5, 5] and step.input_ids.shape == (15,)
-        assert step.positions.tolist() == [*range(6, 11), *range(5, 10), *range(13, 18)]
-        padded = forward(llm, step.input_ids, step.positions, step.metadata)[step.real_rows]
+        step = runner.step_graphs(runner.model, 3, 5, "verify").pad(ids, StepContext(positions, metadata))  # never captured
+        assert step.ctx.attention.query_lens_host == [5, 5, 5] and step.input_ids.shape == (15,)
+        assert step.ctx.positions.tolist() == [*range(6, 11), *range(5, 10), *range(13, 18)]
+        padded = forward(llm, step.input_ids, step.ctx.positions, step.ctx.attention)[step.real_rows]
     torch.testing.assert_close(padded, unpadded, rtol=1e-5, atol=1e-5)
     pool = slice(0, runner.num_blocks)
     for cache, expected, saved in zip(caches, after_unpadded, before):
@@ -68,7 +69,7 @@ def metadata_of(query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata
 
 def test_which_steps_are_padded() -> None:
     graphs = StepGraphs.__new__(StepGraphs)  # only the fields fits_padded reads
-    graphs.query_len, graphs.buckets = 5, [1, 2, 4, 8, 16, 24, 32]
+    graphs.query_len, graphs.buckets, graphs.state_slots = 5, [1, 2, 4, 8, 16, 24, 32], None
     assert graphs.fits_padded(metadata_of([2, 5, 1], [40, 50, 60]))
     assert not graphs.fits_padded(metadata_of([2, 6], [40, 50]))  # a request longer than the graph's rows
     assert not graphs.fits_padded(metadata_of([2, 1], [40, 4]))  # padding would reach before position 0
@@ -82,6 +83,6 @@ def test_a_request_that_cannot_be_padded_is_refused(llm: LLM) -> None:
     runner = llm.engine.runner
     ids = torch.zeros(3, dtype=torch.int64)
     with pytest.raises(ValueError, match="cannot be padded to 2 rows"):
-        runner.step_graphs(runner.model, 1, 2).pad(ids, metadata_of([3], [10]))
+        runner.step_graphs(runner.model, 1, 2).pad(ids, StepContext(ids, metadata_of([3], [10])))
     with pytest.raises(ValueError, match="cannot be padded to 5 rows"):
-        runner.step_graphs(runner.model, 1, 5).pad(ids, metadata_of([3], [4]))
+        runner.step_graphs(runner.model, 1, 5).pad(ids, StepContext(ids, metadata_of([3], [4])))

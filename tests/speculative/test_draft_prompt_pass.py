@@ -36,9 +36,9 @@ def record_draft_forwards(llm: LLM) -> list[list[int]]:
     forward = model.forward
     calls: list[list[int]] = []
 
-    def recorded(input_ids: torch.Tensor, positions: torch.Tensor, metadata):
-        calls.append(positions.tolist())
-        return forward(input_ids, positions, metadata)
+    def recorded(input_ids: torch.Tensor, ctx):
+        calls.append(ctx.positions.tolist())
+        return forward(input_ids, ctx)
 
     model.forward = recorded
     return calls

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.config import SpeculativeConfig
+from tokenmill.config import BenchmarkOnlyConfig, SpeculativeConfig
 from tokenmill.errors import ConfigError
 
 
@@ -26,12 +26,12 @@ def test_json_keys_become_fields() -> None:
         ('{"method": "ngram", "num_speculative_tokens": 0}', r"in 1\.\.16"),
         ('{"method": "ngram", "verification": "tree"}', "must be token or block"),
         ('{"method": "ngram", "verification": "benchmark_accept_all"}', "benchmark-only mode"),
+        ('{"method": "ngram", "benchmark_acceptance_length": 3.5}', "benchmark-only mode"),
         ('{"method": "ngram", "draft_sampling": "beam"}', "probabilistic or greedy"),
         ('{"method": "draft_model", "model": "d", "draft_kv_cache_dtype": "int8"}', "auto or fp8"),
         ('{"method": "draft_model", "model": "d", "quantization": "nvfp4"}', "quantization must be fp8"),
         ('{"method": "ngram", "quantization": "fp8"}', "the ngram method has none"),
         ('{"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min <= prompt_lookup_max"),
-        ('{"method": "ngram", "benchmark_acceptance_length": 3.5}', "needs verification benchmark_accept_all"),
     ],
 )
 def test_what_cannot_be_honoured_is_refused(text: str, message: str) -> None:
@@ -39,10 +39,13 @@ def test_what_cannot_be_honoured_is_refused(text: str, message: str) -> None:
         SpeculativeConfig.from_json(text).check()
 
 
-def test_a_benchmark_acceptance_length_is_within_what_gamma_allows(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TOKENMILL_BENCHMARK_ONLY_ACCEPT_ALL", "1")
-    base = '{"method": "ngram", "num_speculative_tokens": 3, "verification": "benchmark_accept_all", '
-    SpeculativeConfig.from_json(base + '"benchmark_acceptance_length": 3.5}').check()
-    for length in ("0.5", "4.5"):
+def test_a_benchmark_acceptance_length_is_within_what_gamma_allows() -> None:
+    spec = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3}')
+    BenchmarkOnlyConfig(accept_all_drafts=True, acceptance_length=3.5).check(spec)
+    for length in (0.5, 4.5):
         with pytest.raises(ConfigError, match=r"must be in 1\.\.4"):
-            SpeculativeConfig.from_json(base + f'"benchmark_acceptance_length": {length}}}').check()
+            BenchmarkOnlyConfig(accept_all_drafts=True, acceptance_length=length).check(spec)
+    with pytest.raises(ConfigError, match="needs benchmark_only.accept_all_drafts"):
+        BenchmarkOnlyConfig(acceptance_length=3.5).check(spec)
+    with pytest.raises(ConfigError, match="needs speculative decoding"):
+        BenchmarkOnlyConfig(accept_all_drafts=True).check(SpeculativeConfig())

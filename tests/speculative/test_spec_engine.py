@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from scipy.stats import chi2_contingency
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import BENCHMARK_ACCEPT_ALL, BENCHMARK_ACCEPT_ALL_ENV
+from tokenmill.config import BenchmarkOnlyConfig
 from tokenmill.models.loader import iter_weights, load_hf_config, resolve_model
 
 pytestmark = pytest.mark.slow
@@ -46,8 +46,9 @@ def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def spec_llm(**spec) -> LLM:
-    return LLM(device="cpu", max_model_len=1024, kv_cache_bytes=1 << 28, speculative_config=spec)
+def spec_llm(benchmark_only: BenchmarkOnlyConfig | None = None, **spec) -> LLM:
+    return LLM(device="cpu", max_model_len=1024, kv_cache_bytes=1 << 28, speculative_config=spec,
+               benchmark_only=benchmark_only or BenchmarkOnlyConfig())
 
 
 @pytest.fixture(scope="module")
@@ -101,16 +102,14 @@ def test_fp8_quantized_draft_keeps_greedy_output(reference: list[list[int]]) -> 
     assert 3.5 < length <= 5.0
 
 
-def test_benchmark_acceptance_length_rejects_by_its_pattern(
-    reference: list[list[int]], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_benchmark_acceptance_length_rejects_by_its_pattern(reference: list[list[int]]) -> None:
     """BENCHMARK-ONLY fixed pattern at 2.5: SmolLM2 drafting for itself (every draft equals the
     target's choice) has 1, 2, 1, 2, ... drafts accepted and the rest rolled back, then the
     target's argmax emitted: the same tokens as plain decoding, mean acceptance length 2.5 (the
     last steps, capped by max_tokens, accept fewer) and never a third draft accepted."""
-    monkeypatch.setenv(BENCHMARK_ACCEPT_ALL_ENV, "1")
     llm = spec_llm(method="draft_model", model=str(resolve_model(None).path), num_speculative_tokens=3,
-                   draft_sampling="greedy", verification=BENCHMARK_ACCEPT_ALL, benchmark_acceptance_length=2.5)
+                   draft_sampling="greedy",
+                   benchmark_only=BenchmarkOnlyConfig(accept_all_drafts=True, acceptance_length=2.5))
     assert greedy(llm) == reference
     stats = llm.engine.spec_stats
     print(f"fixed pattern 2.5: mean acceptance length {stats.mean_acceptance_length:.3f} over {stats.num_drafts} steps")
@@ -139,7 +138,7 @@ def test_greedy_drafts_and_their_verification_never_read_the_device(
 ) -> None:
     """Greedy drafting and greedy verification read no tensor value on the host: the drafts go
     from the draft model to the verify step on the device, and the output is still exact."""
-    from tokenmill.speculative import target_step
+    from tokenmill.sample import draft_verification as target_step
     from tokenmill.speculative.draft_model import DraftModelProposer
 
     llm = spec_llm(method="draft_model", model=str(draft_dir), num_speculative_tokens=4, draft_sampling="greedy")

@@ -6,18 +6,15 @@ to cut slices of about the right size; `sizing.py` calibrates them against the s
 
 from __future__ import annotations
 
-import gzip
 import os
 import random
 import re
 import uuid
 from collections.abc import Sequence
-from importlib import resources
 from typing import Protocol
 
 from tokenmill.bench.errors import BenchError
-
-CORPUS_FILE = "opticks.txt.gz"
+from tokenmill.data import shipped_corpus_text
 
 # Pieces of at most six letters, three digits or one symbol, each with its leading
 # whitespace: close to a BPE tokenizer's count on English prose (about 1.3 per word), and
@@ -109,8 +106,7 @@ def read_corpus_text(path: str | None = None) -> str:
         if not text.strip():
             raise BenchError(f"corpus {path!r} is empty")
         return text
-    data = resources.files("tokenmill.bench").joinpath("data", CORPUS_FILE).read_bytes()
-    return gzip.decompress(data).decode("utf-8")
+    return shipped_corpus_text()
 
 
 class Corpus:

@@ -11,11 +11,12 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
-from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ScheduledBatch, Scheduler
+from tokenmill.engine.step_builder import build_step_input
 from tokenmill.engine.structured_output import StructuredOutputManager
 from tokenmill.errors import ConfigError, InvalidRequestError
+from tokenmill.kv.coordinator import KVCacheCoordinator
 from tokenmill.models.loader import load_hf_config, load_tokenizer, resolve_model
 from tokenmill.outputs import CompletionOutput, RequestOutput, SpecUsage, TokenLogprobs
 from tokenmill.runner.model_runner import ModelRunner, StepOutput
@@ -26,6 +27,14 @@ from tokenmill.speculative.stats import SpecStats
 logger = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20
+
+
+@dataclass
+class LaunchedStep:
+    """A step in flight: its sampled requests, one per row of its output."""
+
+    requests: list[Request]
+    output: StepOutput
 
 
 @dataclass
@@ -57,11 +66,12 @@ class LLMEngine:
         self.model_name = config.model.model or self.source.name
         torch.manual_seed(config.model.seed)
         draft = DraftModel(config) if config.speculative.method == "draft_model" else None
-        self.runner = ModelRunner(
-            config, hf_config, self.source, extra_kv_bytes_per_block=draft.kv_bytes_per_block() if draft else 0
-        )
+        self.runner = ModelRunner(config, hf_config, self.source, draft.cache_layers() if draft else None)
         self.config = config.with_num_blocks(self.runner.num_blocks)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.kv = KVCacheCoordinator(self.runner.cache_plan, config.cache.enable_prefix_caching)
+        if self.kv.state is not None and config.speculative.method is not None:
+            raise ConfigError("speculative decoding on a model with recurrent state needs state checkpoints per "
+                              "draft position, which tokenmill does not keep yet; drop --speculative-config")
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
         self.requests: dict[str, Request] = {}
@@ -71,7 +81,7 @@ class LLMEngine:
         self._generated_tokens = 0
         self._structured_output: StructuredOutputManager | None = None
         self.async_scheduling = self.config.scheduler.async_scheduling
-        self._in_flight: StepOutput | None = None
+        self._in_flight: LaunchedStep | None = None
         self.spec_stats = SpecStats()
         self.proposer = build_proposer(self.config, self.runner, self.kv, draft)
 
@@ -199,26 +209,28 @@ class LLMEngine:
     def _needs_host_tokens(self) -> bool:
         return any(r.params.uses_penalties or r.grammar is not None for r in self.scheduler.running)
 
-    def _launch(self, batch: ScheduledBatch) -> StepOutput | None:
+    def _launch(self, batch: ScheduledBatch) -> LaunchedStep | None:
         sampling = batch.sampling_requests()
-        tables = [self.kv.block_tables[r.request_id] for r in batch.requests]
         for request, n in zip(batch.requests, batch.num_new_tokens):
             start = request.num_computed_tokens
             self._computed_prompt_tokens += max(0, min(start + n, len(request.prompt_token_ids)) - start)
-        masks = [None if r.grammar is None else r.grammar.allowed_token_mask() for r in sampling]
-        launched = self.runner.execute(batch, tables, sampling, masks, self._in_flight)
-        if self.proposer is not None:
-            self.proposer.follow(batch, launched)  # before finish_step: it reads each chunk's start
+        previous = self._in_flight
+        step = build_step_input(batch, sampling, self.kv, previous.requests if previous else (), self.config)
+        output = self.runner.execute(step, previous.output if previous else None)
+        launched = None if output is None else LaunchedStep(sampling, output)
+        if self.proposer is not None:  # before finish_step: it reads each chunk's start
+            self.proposer.follow(list(zip(batch.requests, batch.num_new_tokens)), sampling, output)
         self.scheduler.finish_step(batch)
         return launched
 
-    def _resolve(self, step: StepOutput) -> list[RequestOutput]:
-        step.wait()
+    def _resolve(self, step: LaunchedStep) -> list[RequestOutput]:
+        step.output.wait()
         outputs = []
-        for request, tokens, logprobs in zip(step.requests, step.token_lists(), _logprob_rows(step)):
+        for request, tokens, logprobs in zip(step.requests, step.output.token_lists(), _logprob_rows(step)):
             request.num_placeholders -= 1
-            # Rejected drafts: their KV was written but is not part of the sequence.
-            request.num_computed_tokens -= request.drafts.count - (len(tokens) - 1)
+            rejected = request.drafts.count - (len(tokens) - 1)
+            if rejected:
+                self.kv.rollback(request, request.num_computed_tokens - rejected)
             request.draft_num_computed = min(request.draft_num_computed, request.num_computed_tokens)
             self._record_spec(request, request.drafts.count, len(tokens) - 1)
             request.drop_drafts()
@@ -315,12 +327,13 @@ class LLMEngine:
 
 
 
-def _logprob_rows(step: StepOutput) -> list[list[TokenLogprobs] | None]:
+def _logprob_rows(step: LaunchedStep) -> list[list[TokenLogprobs] | None]:
     """Per request, one entry per emitted token: that token's logprob first, then the top-k."""
-    if step.host_logprobs is None:
+    output = step.output
+    if output.host_logprobs is None:
         return [None] * len(step.requests)
-    ids, values = step.host_logprob_ids.tolist(), step.host_logprobs.tolist()
-    if step.host_num_accepted is None:  # one token per request: [B, 1 + k] -> [B, 1, 1 + k]
+    ids, values = output.host_logprob_ids.tolist(), output.host_logprobs.tolist()
+    if output.host_num_accepted is None:  # one token per request: [B, 1 + k] -> [B, 1, 1 + k]
         ids, values = [[row] for row in ids], [[row] for row in values]
     rows: list[list[TokenLogprobs] | None] = []
     for request, request_ids, request_values in zip(step.requests, ids, values):

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from tokenmill.engine.structured_output import GrammarMatcher
 from tokenmill.outputs import SpecUsage, TokenLogprobs
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.speculative.drafts import NO_DRAFTS, Drafts
 
 
 class RequestStatus(enum.Enum):
@@ -20,24 +21,6 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
-
-
-@dataclass(frozen=True, eq=False)
-class Drafts:
-    """Tokens proposed after a request's last known one, verified by its next step.
-
-    A draft model leaves its drafts on the device, so nothing waits for the host between
-    drafting and verifying; n-gram lookup (and a draft model under penalties, which count each
-    draft) knows them on the host. When count > 0 at least one of the two is set.
-    """
-
-    count: int = 0
-    host_ids: list[int] | None = None
-    device_ids: torch.Tensor | None = None  # [count] int64 on the model's device
-    probs: torch.Tensor | None = None  # [count, V]: each draft's distribution as sampled; None = one-hot
-
-
-NO_DRAFTS = Drafts()
 
 
 @dataclass(eq=False)

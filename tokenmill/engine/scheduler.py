@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig
-from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.queues import QUEUE_POLICIES, RequestQueue, priority_key
 from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.kv.coordinator import KVCacheCoordinator
 
 
 @dataclass
@@ -50,7 +50,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheCoordinator) -> None:
         self.config = config
         self.kv = kv
         self.waiting: RequestQueue = QUEUE_POLICIES[config.policy]()

@@ -23,9 +23,8 @@ PREFILL_WAVES = 1
 SHORT_DECODE_KEYS = 256
 # Fewest keys of the longest request per split on a GPU, once it has more than
 # SHORT_DECODE_KEYS (up to those, one program per head streams them all: the short sweep). At
-# batch 1 a split is a chain of dependent memory round trips, one per tile: 64 keys (one tile)
-# rather than 256 made the 8B decode step 3.5% faster at 512 keys and the 1B draft's 10%, and
-# changed nothing at batch 16 (benchmarks/RESULTS.md, 2026-12-01 evening).
+# batch 1 a split is a chain of dependent memory round trips, one per tile, so one tile of keys
+# per split beats longer splits there and costs nothing at larger batches (benchmarks/RESULTS.md).
 MIN_SPLIT_KEYS = 64
 
 
@@ -71,9 +70,9 @@ def plan_attention(
     max_splits = MAX_SPLITS
     if max_query_len <= 1:
         block_q = 1
-        # H200 sweep (benchmarks/attention_bench.py), batch 1 at 32k: bf16 is fastest with 64-key
-        # tiles double-buffered (52 vs 64 us); FP8 tiles are half the bytes, so 128 keys per tile
-        # and half the splits keep each program's stream as long (48 vs 57 us).
+        # From the batch-1 long-context sweep (benchmarks/attention_bench.py): bf16 is fastest with
+        # 64-key tiles double-buffered; FP8 tiles are half the bytes, so 128 keys per tile and half
+        # the splits keep each program's stream as long.
         num_warps, num_stages = 4, 2
         if fp8_kv and on_gpu and not big_head:
             block_n, num_stages, max_splits = 128, 3, MAX_SPLITS // 2

@@ -32,18 +32,18 @@ MMA_ROWS = 16  # x's rows padded to the MMA's narrow side; the most one few_row_
 
 
 def many_rows_tile(n: int) -> tuple[GemvTile, int]:
-    """fp8_linear's (W tile, rows of x per program) past MMA_ROWS rows: the best of seven in an
-    H200 sweep at 128 and 2048 rows of the 1B's gate_up, head and down (benchmarks/RESULTS.md,
-    2026-12-01 night); narrower programs where N is small, so that enough of them run."""
+    """fp8_linear's (W tile, rows of x per program) past MMA_ROWS rows: the best of a sweep at
+    prompt-pass row counts (benchmarks/RESULTS.md); narrower programs where N is small, so that
+    enough of them run."""
     if n < 4096:
         return GemvTile(64, 128, 4, 4), 64
     return GemvTile(128, 64, 8, 4), 128
 
 
 def few_row_mma_tile(n: int, k: int) -> GemvTile:
-    """The tile the H200 sweep found best per projection shape (benchmarks/RESULTS.md, 2026-12-01
-    later), generalised by size: wide programs for the wide weights, narrow ones (more of them,
-    deeper pipelines) for the small."""
+    """The tile a sweep found best per projection shape (benchmarks/RESULTS.md), generalised by
+    size: wide programs for the wide weights, narrow ones (more of them, deeper pipelines) for
+    the small."""
     if interpreting():
         return GemvTile(16, 32, 1, 1)
     if n >= 16384:  # gate_up, lm_head, a draft's head

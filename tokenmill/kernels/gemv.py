@@ -9,14 +9,13 @@ accumulator (separate variables, so W's registers are shared, never re-laid out 
 split-K: every projection of interest has N >= 2048, enough programs to fill the machine without
 atomics or a second pass.
 
-On an H200 this beats cuBLAS at M = 1 by 2-16% per Llama-3.1-8B / 3.2-1B projection (measured in
-benchmarks/decode_profile.py; cuBLAS also adds split-K reduce kernels). FP8 weights (a quantized
-draft) halve the bytes; they are widened to fp32 in registers (bound by the conversions: 1.25-1.6x
-faster than bf16 weights at M = 1, not 2x; building the float32 bits with integer shifts instead was
-slower), and the row's scale multiplies the sum (weight-only: x is never quantized). With more
-rows of x the loop holds more accumulators and fewer programs fit each multiprocessor: the
-kernel is slower than cuBLAS from M = 2 for most shapes, so unquantized weights use it at M = 1
-only (benchmarks/RESULTS.md, 2026-12-01).
+At M = 1 this beats cuBLAS per projection (benchmarks/decode_profile.py measures it; cuBLAS also
+adds split-K reduce kernels). FP8 weights (a quantized draft) halve the bytes; they are widened to
+fp32 in registers (bound by the conversions, so less than twice as fast as bf16 weights), and the
+row's scale multiplies the sum (weight-only: x is never quantized). With more rows of x the loop
+holds more accumulators and fewer programs fit each multiprocessor: the kernel loses to cuBLAS
+from M = 2 for most shapes, so unquantized weights use it at M = 1 only (benchmarks/RESULTS.md
+has the figures).
 
 On sm_90 and later it is launched as a programmatic dependent of the kernel before it (which
 calls `launch_next` as it starts): its programs become resident while that kernel runs and read
@@ -48,7 +47,7 @@ class GemvTile:
 
 
 def gemv_tile(n: int, k: int, rows: int = 1, fp8: bool = False) -> GemvTile:
-    """The best one-row tile the H200 sweep found per projection shape, generalised by size; with
+    """The best one-row tile a sweep found per projection shape (decode_profile.py), generalised by size; with
     more rows, strips shrink so that the accumulators (rows x block_n x block_k fp32 over the
     threads) stay within ~64 registers a thread."""
     if interpreting():
@@ -134,8 +133,8 @@ def _gemv_kernel(
     k_start = 0
     if PDL:
         # Launched while the kernel before it (a norm, attention, SiLU) still runs: W never
-        # depends on it, so the first strip of W is read now, x only after gdc_wait. (Reading
-        # two or four strips early was slower: benchmarks/RESULTS.md, 2026-11-30 late.)
+        # depends on it, so the first strip of W is read now, x only after gdc_wait (reading more
+        # strips early was slower: benchmarks/RESULTS.md).
         w = _w_strip(w_ptrs, 0, offs_k, n_ok, K, EVEN_K).to(tl.float32)
         gdc_wait()
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _accumulate_rows(

@@ -9,20 +9,20 @@ from torch import nn
 class RMSNorm(nn.Module):
     """`forward(x)` -> norm(x); `forward(x, residual)` -> (norm(x + residual), x + residual).
 
-    The reference computes in float32 exactly as Hugging Face's Llama does; `fused` uses the
+    The reference computes in float32 exactly as Hugging Face's Llama does; `use_triton` uses the
     Triton kernel, one pass over memory (CUDA only).
     """
 
-    def __init__(self, hidden_size: int, eps: float, fused: bool = False) -> None:
+    def __init__(self, hidden_size: int, eps: float, use_triton: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.fused = fused
+        self.use_triton = use_triton
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if self.fused:
+        if self.use_triton:
             from tokenmill.kernels.rms_norm import fused_add_rms_norm, rms_norm
 
             if residual is None:

@@ -24,11 +24,11 @@ def rope_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor
 
 
 class RotaryEmbedding(nn.Module):
-    """`fused` rotates q and k in place with the Triton kernel (CUDA only)."""
+    """`use_triton` rotates q and k in place with the Triton kernel (CUDA only)."""
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int, fused: bool = False) -> None:
+    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int, use_triton: bool = False) -> None:
         super().__init__()
-        self.fused = fused
+        self.use_triton = use_triton
         device = torch.empty(0).device  # where the model is being built
         inv_freq, scaling = rope_inv_freq(config, head_dim)
         # float32 throughout, exactly as transformers computes it.
@@ -38,7 +38,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", (torch.cat((freqs, freqs), -1).sin() * scaling), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fused:
+        if self.use_triton:
             from tokenmill.kernels.rotary import apply_rotary_
 
             return apply_rotary_(positions, q, k, self.cos, self.sin)

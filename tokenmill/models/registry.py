@@ -1,31 +1,47 @@
-"""Architecture name (config.architectures[0]) -> model class."""
+"""Architecture name (config.architectures[0]) -> model class, imported on first use."""
 
 from __future__ import annotations
+
+import importlib
 
 from transformers import PretrainedConfig
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from tokenmill.models.interface import CausalLM
 
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("tokenmill.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("tokenmill.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("tokenmill.models.llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("tokenmill.models.llama", "Qwen3ForCausalLM"),
 }
-
 
 # For configs without `architectures` (e.g. built from GGUF metadata).
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM"}
 
 
-def model_class(config: PretrainedConfig) -> type[LlamaForCausalLM]:
+def register_model(architecture: str, module: str, class_name: str, model_type: str | None = None) -> None:
+    """Make `architecture` (and optionally a config model_type) load `module.class_name`."""
+    _MODELS[architecture] = (module, class_name)
+    if model_type is not None:
+        _BY_MODEL_TYPE[model_type] = architecture
+
+
+def supported_architectures() -> list[str]:
+    return list(_MODELS)
+
+
+def model_class(config: PretrainedConfig) -> type[CausalLM]:
     architectures = getattr(config, "architectures", None) or [_BY_MODEL_TYPE.get(config.model_type, "")]
     for name in architectures:
-        if name in MODEL_REGISTRY:
-            return MODEL_REGISTRY[name]
+        if name in _MODELS:
+            module, class_name = _MODELS[name]
+            cls = getattr(importlib.import_module(module), class_name)
+            if not (isinstance(cls, type) and issubclass(cls, CausalLM)):
+                raise ModelLoadError(f"{module}.{class_name} (registered for {name}) is not a CausalLM")
+            return cls
     raise ModelLoadError(
         f"unsupported architecture {architectures or config.model_type!r}; "
-        f"tokenmill runs {', '.join(MODEL_REGISTRY)}"
+        f"tokenmill runs {', '.join(_MODELS)}"
     )

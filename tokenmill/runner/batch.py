@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.layers.step_context import StepContext
+from tokenmill.transfer import to_device
 
 
 @dataclass
@@ -17,13 +19,6 @@ class Chunk:
     token_ids: list[int]
     start: int
     block_table: Sequence[int]
-
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 def slot_of(block_table: Sequence[int], position: int, block_size: int) -> int:
@@ -67,3 +62,9 @@ def pack(chunks: Sequence[Chunk], block_size: int, device: torch.device) -> tupl
         seq_lens_host=seq_lens,
     )
     return wide[:tokens], wide[tokens : 2 * tokens], metadata
+
+
+def pack_context(chunks: Sequence[Chunk], block_size: int, device: torch.device) -> tuple[torch.Tensor, StepContext]:
+    """(input ids, the forward's context) of `pack`."""
+    ids, positions, metadata = pack(chunks, block_size, device)
+    return ids, StepContext(positions, metadata)

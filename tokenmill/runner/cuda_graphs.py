@@ -26,25 +26,24 @@ import torch
 from tqdm.auto import tqdm
 
 from tokenmill.layers.attention import AttentionMetadata
-from tokenmill.models.llama import LlamaForCausalLM
-from tokenmill.runner.batch import to_device
+from tokenmill.layers.step_context import RequestInputSpec, StepContext
+from tokenmill.models.interface import CausalLM
+from tokenmill.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
 CONTEXT_BUCKETS = (256, 1024, 4096)
 # Verify steps are captured up to this many tokens per step (vLLM's default capture limit).
 MAX_CAPTURED_TOKENS = 512
-# A padded step may cost this many tokens whatever its real count: on an H200 an 8B-shape step
-# of 80 tokens takes 1.09x a one-token step (benchmarks/RESULTS.md), while an eager step pays
-# the host's launches.
+# A padded step may cost this many tokens whatever its real count: a step of this few tokens
+# costs about what a one-token step does, while an eager step pays the host's launches.
 PADDING_FREE_TOKENS = 128
 
 
 @dataclass
 class PaddedStep:
     input_ids: torch.Tensor
-    positions: torch.Tensor
-    metadata: AttentionMetadata  # every request adds query_len tokens
+    ctx: StepContext  # every request adds query_len tokens
     real_rows: torch.Tensor  # the padded rows that are the step's own, in the unpadded order
 
 
@@ -61,7 +60,7 @@ def batch_size_buckets(max_batch: int) -> list[int]:
 class StepGraphs:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         max_batch: int,
         max_blocks_per_seq: int,
         scratch_block: int,
@@ -70,7 +69,12 @@ class StepGraphs:
         device: torch.device,
         query_len: int = 1,
         name: str = "decode",
+        scratch_state_slot: int | None = None,
+        request_inputs: dict[str, RequestInputSpec] | None = None,
     ) -> None:
+        """scratch_state_slot: the recurrent-state slot padding requests use (None: the model keeps
+        no state). request_inputs: the model's per-request inputs, each a static buffer whose
+        padding rows hold the spec's pad value."""
         self.model = model
         self.query_len = query_len
         self.name = name
@@ -88,6 +92,15 @@ class StepGraphs:
         self.seq_lens = torch.full((n,), query_len, dtype=torch.int32, device=device)
         self.block_tables = torch.full((n, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(0, (n + 1) * query_len, query_len, dtype=torch.int32, device=device)
+        self.token_rows = torch.arange(n, device=device).repeat_interleave(query_len)
+        self.scratch_state_slot = scratch_state_slot
+        self.state_slots = None if scratch_state_slot is None else torch.full(
+            (n,), scratch_state_slot, dtype=torch.int64, device=device)
+        self.request_input_specs = dict(request_inputs or {})
+        self.request_inputs = {
+            name: torch.full((n, *spec.shape), spec.pad, dtype=spec.dtype, device=device)
+            for name, spec in self.request_input_specs.items()
+        }
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -104,27 +117,36 @@ class StepGraphs:
         here padded to query_len, at a padded size worth it."""
         padded = metadata.num_requests * self.query_len
         return (
-            metadata.num_requests <= self.max_batch
+            self.state_slots is None  # pad rows would run through a recurrent state
+            and metadata.num_requests <= self.max_batch
             and max(metadata.query_lens_host) <= self.query_len <= min(metadata.seq_lens_host)
             and padded <= max(PADDING_FREE_TOKENS, 2 * sum(metadata.query_lens_host))
         )
 
-    def _metadata(self, batch: int, context: int) -> AttentionMetadata:
-        # Host lengths are the bucket's largest, so any launch shape derived from them (e.g. the
-        # number of KV splits) is valid for every replay in the bucket; kernels read the true
-        # lengths on the device.
-        return AttentionMetadata(
+    def static_context(self, batch: int, context: int) -> StepContext:
+        """The context a graph of `batch` requests is captured over: views of the static buffers.
+        Host lengths are the bucket's largest, so any launch shape derived from them (e.g. the
+        number of KV splits) is valid for every replay in the bucket; kernels read the true
+        lengths on the device."""
+        tokens = batch * self.query_len
+        metadata = AttentionMetadata(
             query_start_loc=self.query_start_loc[: batch + 1],
             seq_lens=self.seq_lens[:batch],
             block_tables=self.block_tables[:batch],
-            slot_mapping=self.slot_mapping[: batch * self.query_len],
+            slot_mapping=self.slot_mapping[:tokens],
             query_lens_host=[self.query_len] * batch,
             seq_lens_host=[context] * batch,
+        )
+        return StepContext(
+            self.positions[:tokens], metadata,
+            state_slots=None if self.state_slots is None else self.state_slots[:batch],
+            token_rows=self.token_rows[:tokens],
+            request_inputs={name: buffer[:batch] for name, buffer in self.request_inputs.items()},
         )
 
     def _forward(self, batch: int, context: int) -> torch.Tensor:
         tokens = batch * self.query_len
-        hidden = self.model(self.input_ids[:tokens], self.positions[:tokens], self._metadata(batch, context))
+        hidden = self.model(self.input_ids[:tokens], self.static_context(batch, context))
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -145,35 +167,53 @@ class StepGraphs:
         logger.info("captured %d %s CUDA graphs (%d tokens per request) for batch sizes up to %d",
                     len(self.graphs), self.name, self.query_len, self.max_batch)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Logits [B * query_len, V] of B <= max_batch requests adding query_len tokens each."""
+        bucket, context = self.stage(input_ids, ctx)
+        self.graphs[bucket, context].replay()
+        return self.logits[bucket, context][: ctx.attention.num_requests * self.query_len]
+
+    def stage(self, input_ids: torch.Tensor, ctx: StepContext) -> tuple[int, int]:
+        """Copy a uniform step into the static buffers, padding requests up to the batch bucket
+        (scratch block, scratch state slot, pad values); returns the (bucket, context) to replay."""
+        metadata = ctx.attention
         batch = metadata.num_requests
         tokens = batch * self.query_len
         bucket = self.buckets[bisect.bisect_left(self.buckets, batch)]
         context = self.contexts[bisect.bisect_left(self.contexts, metadata.max_seq_len)]
         width = metadata.block_tables.shape[1]
         self.input_ids[:tokens].copy_(input_ids, non_blocking=True)
-        self.positions[:tokens].copy_(positions, non_blocking=True)
+        self.positions[:tokens].copy_(ctx.positions, non_blocking=True)
         self.slot_mapping[:tokens].copy_(metadata.slot_mapping, non_blocking=True)
         self.seq_lens[:batch].copy_(metadata.seq_lens, non_blocking=True)
         self.block_tables[:batch, :width].copy_(metadata.block_tables, non_blocking=True)
+        if self.state_slots is not None:
+            if ctx.state_slots is None:
+                raise ValueError(f"the {self.name} graphs were captured with state slots but the step has none")
+            self.state_slots[:batch].copy_(ctx.state_slots, non_blocking=True)
+        for name, buffer in self.request_inputs.items():
+            buffer[:batch].copy_(ctx.request_inputs[name], non_blocking=True)
         if batch < bucket:
             self.slot_mapping[tokens : bucket * self.query_len].fill_(self.scratch_slot)
             self.seq_lens[batch:bucket].fill_(self.query_len)
             self.block_tables[batch:bucket].fill_(self.scratch_block)
-        self.graphs[bucket, context].replay()
-        return self.logits[bucket, context][:tokens]
+            if self.state_slots is not None:
+                self.state_slots[batch:bucket].fill_(self.scratch_state_slot)
+            for name, buffer in self.request_inputs.items():
+                buffer[batch:bucket].fill_(self.request_input_specs[name].pad)
+        return bucket, context
 
-    def run_padded(self, input_ids: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def run_padded(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Logits of the rows of a step that `fits_padded`, in its order."""
-        step = self.pad(input_ids, metadata)
-        return self.run(step.input_ids, step.positions, step.metadata)[step.real_rows]
+        step = self.pad(input_ids, ctx)
+        return self.run(step.input_ids, step.ctx)[step.real_rows]
 
-    def pad(self, input_ids: torch.Tensor, metadata: AttentionMetadata) -> PaddedStep:
+    def pad(self, input_ids: torch.Tensor, ctx: StepContext) -> PaddedStep:
         """The step with each request's rows padded at the front to query_len. Request b's pad rows
         sit at positions seq_len_b - query_len .. (needs seq_len_b >= query_len) and write their KV
         into the scratch slot; their logits are not in real_rows."""
         q = self.query_len
+        metadata = ctx.attention
         source: list[int] = []  # per padded row, its row in the unpadded step; -1 for padding
         positions: list[int] = []
         real_rows: list[int] = []
@@ -192,17 +232,18 @@ class StepGraphs:
         is_real = source_rows >= 0
         source_rows = source_rows.clamp(min=0)
         batch = metadata.num_requests
+        padded_metadata = AttentionMetadata(
+            query_start_loc=self.query_start_loc[: batch + 1],
+            seq_lens=metadata.seq_lens,
+            block_tables=metadata.block_tables,
+            slot_mapping=torch.where(is_real, metadata.slot_mapping[source_rows], self.scratch_slot),
+            query_lens_host=[q] * batch,
+            seq_lens_host=metadata.seq_lens_host,
+        )
         return PaddedStep(
             input_ids=torch.where(is_real, input_ids[source_rows], 0),
-            positions=uploaded[padded : 2 * padded],
-            metadata=AttentionMetadata(
-                query_start_loc=self.query_start_loc[: batch + 1],
-                seq_lens=metadata.seq_lens,
-                block_tables=metadata.block_tables,
-                slot_mapping=torch.where(is_real, metadata.slot_mapping[source_rows], self.scratch_slot),
-                query_lens_host=[q] * batch,
-                seq_lens_host=metadata.seq_lens_host,
-            ),
+            ctx=StepContext(uploaded[padded : 2 * padded], padded_metadata, state_slots=ctx.state_slots,
+                            token_rows=self.token_rows[:padded], request_inputs=ctx.request_inputs),
             real_rows=uploaded[2 * padded :],
         )
 

@@ -2,28 +2,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import PretrainedConfig
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.request import Request
-from tokenmill.engine.scheduler import ScheduledBatch
 from tokenmill.errors import ConfigError
+from tokenmill.kv.planner import allocate_caches, plan_caches
+from tokenmill.kv.specs import CacheLayer
 from tokenmill.layers.attention import ATTENTION_BACKENDS, AttentionMetadata
-from tokenmill.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
-from tokenmill.models.llama import LlamaForCausalLM, head_dim_of
-from tokenmill.models.loader import CheckpointSource, iter_weights
-from tokenmill.models.registry import model_class
-from tokenmill.runner.batch import Chunk, pack, to_device
+from tokenmill.layers.step_context import StepContext
+from tokenmill.models.interface import CausalLM, ModelBuild
+from tokenmill.models.loader import CheckpointSource
+from tokenmill.numerics import KV_CACHE_DTYPES
+from tokenmill.runner.batch import Chunk, pack
 from tokenmill.runner.cuda_graphs import MAX_CAPTURED_TOKENS, StepGraphs
-from tokenmill.runner.kv_scales import configure_kv_scales
-from tokenmill.runner.memory import kv_cache_budget, plan_num_blocks
+from tokenmill.runner.kv_calibration import configure_kv_scales
+from tokenmill.runner.memory import kv_cache_budget
+from tokenmill.runner.model_builder import build_model
+from tokenmill.runner.step_input import StepInput
+from tokenmill.sample import draft_verification
+from tokenmill.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.transfer import to_device
 
-KV_DTYPES = {"fp8": torch.float8_e4m3fn}
 # The costliest sampling path, for the memory profile.
 _PROFILE_PARAMS = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=20)
 
@@ -33,7 +36,6 @@ class StepOutput:
     """The sampled tokens of one launched step. On CUDA their host copy runs on a side stream;
     reading them waits for that copy only, never for the whole device."""
 
-    requests: list[Request]  # one per sampled row
     sampled: SamplerOutput  # device tensors (the next step may read token ids from here)
     host_token_ids: torch.Tensor  # [B], or [B, G + 1] after verifying drafts
     host_logprob_ids: torch.Tensor | None  # [B, 1 + k], or [B, G + 1, 1 + k]
@@ -55,8 +57,7 @@ class StepOutput:
 @dataclass
 class BatchInputs:
     input_ids: torch.Tensor
-    positions: torch.Tensor
-    metadata: AttentionMetadata
+    ctx: StepContext
     logits_indices: torch.Tensor  # rows of the packed batch whose next token is sampled
     # Tokens every request adds when all add the same number and every row is sampled (a decode
     # or verify step: what CUDA graphs capture); None otherwise.
@@ -65,35 +66,40 @@ class BatchInputs:
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, hf_config: PretrainedConfig, source: CheckpointSource, extra_kv_bytes_per_block: int = 0
+        self, config: EngineConfig, hf_config: PretrainedConfig, source: CheckpointSource,
+        companion_cache_layers: dict[str, CacheLayer] | None = None,
     ) -> None:
-        """extra_kv_bytes_per_block: what a draft model's cache adds to each block (it shares the block ids)."""
+        """companion_cache_layers: a draft model's cache layers, sized and allocated with the
+        target's (they share its block ids)."""
         self.config = config
         self.hf_config = hf_config
         self.device = torch.device(config.parallel.device)
         self.dtype = config.model.torch_dtype
-        self.kv_dtype = KV_DTYPES.get(config.cache.kv_cache_dtype, self.dtype)
+        self.kv_dtype = KV_CACHE_DTYPES.get(config.cache.kv_cache_dtype, self.dtype)
         self.block_size = config.cache.block_size
         self.vocab_size = hf_config.vocab_size
         self.backend = ATTENTION_BACKENDS[config.cache.attention_backend]()
-        self.backend.check_supported(
-            hf_config.num_attention_heads, hf_config.num_key_value_heads, head_dim_of(hf_config), self.dtype, self.kv_dtype
-        )
-        self.use_triton = self.device.type == "cuda"  # fused small ops; import fails closed below
+        self.use_triton = self.device.type == "cuda"  # the fused Triton kernels; import fails closed below
         if self.use_triton:
             _require_triton()
-        self.model = self._load_model(source)
+        self.build = ModelBuild(hf_config, self.backend, config.model.max_model_len, self.block_size, self.kv_dtype,
+                                self.use_triton)
+        dummy = config.model.load_format == "dummy"
+        self.model = build_model(self.build, source, dtype=self.dtype, device=self.device,
+                                 dummy_seed=config.model.seed if dummy else None)
+        self.cache_layers = {**self.model.cache_layers(), **(companion_cache_layers or {})}
         self.sampler = Sampler()
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         speculative = config.speculative
-        self.spec_verification = speculative.verification if speculative.method is not None else None
-        self.spec_benchmark_length = speculative.benchmark_acceptance_length
+        self.spec_verification = speculative.verification
+        self.accept_all_drafts = config.benchmark_only.accept_all_drafts
         budget = kv_cache_budget(config, self.device, self._profile_step)
-        self.num_blocks = plan_num_blocks(
-            budget, self.kv_bytes_per_block() + extra_kv_bytes_per_block, self.block_size, config.model.max_model_len
-        )
-        # One block beyond the pool: the scratch block that padded CUDA-graph rows write into.
-        self._allocate_kv_caches(self.num_blocks + 1)
+        specs = {name: layer.cache_spec() for name, layer in self.cache_layers.items()}
+        self.cache_plan = plan_caches(specs, budget, self.block_size, config.model.max_model_len,
+                                      config.scheduler.max_num_seqs)
+        self.num_blocks = self.cache_plan.num_blocks
+        # One block and one state slot beyond the pool: the scratch that padded CUDA-graph rows write into.
+        allocate_caches(self.cache_layers, self.num_blocks + 1, self.cache_plan.num_state_slots + 1, self.device)
         configure_kv_scales(self, source)
         self.graphs: list[StepGraphs] = []
         if not config.enforce_eager:
@@ -106,47 +112,25 @@ class ModelRunner:
             for graphs in self.graphs:
                 graphs.capture()
 
-    def step_graphs(self, model: LlamaForCausalLM, max_batch: int, query_len: int = 1, name: str = "decode") -> StepGraphs:
+    def step_graphs(self, model: CausalLM, max_batch: int, query_len: int = 1, name: str = "decode") -> StepGraphs:
         """Graphs of `model` (the target, or a draft sharing its block tables) over this runner's cache layout."""
+        plan = self.cache_plan
         return StepGraphs(model, max_batch, self.max_blocks_per_seq, self.num_blocks, self.block_size,
-                          self.config.model.max_model_len, self.device, query_len, name)
+                          self.config.model.max_model_len, self.device, query_len, name,
+                          scratch_state_slot=plan.scratch_slot if plan.bytes_per_state_slot else None,
+                          request_inputs=model.request_inputs())
 
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.config.model.max_model_len // self.block_size)
-
-    def _load_model(self, source: CheckpointSource) -> LlamaForCausalLM:
-        cls = model_class(self.hf_config)
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                model = cls(self.hf_config, self.backend, self.config.model.max_model_len, self.use_triton)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        if self.config.model.load_format == "dummy":
-            init_dummy_weights(model, self.config.model.seed)
-        else:
-            model.load_weights(iter_weights(source))
-        return model.eval()
-
-    def kv_bytes_per_block(self) -> int:
-        c = self.hf_config
-        per_token = 2 * c.num_key_value_heads * head_dim_of(c) * self.kv_dtype.itemsize
-        return per_token * c.num_hidden_layers * self.block_size
-
-    def _allocate_kv_caches(self, num_blocks: int) -> None:
-        c = self.hf_config
-        shape = self.backend.kv_cache_shape(num_blocks, self.block_size, c.num_key_value_heads, head_dim_of(c))
-        for layer in self.model.attention_layers():
-            layer.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     @torch.inference_mode()
     def _profile_step(self) -> None:
         """The largest step the scheduler may send: a full token budget, logits for every sequence."""
         tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
         blocks = -(-tokens // self.block_size)
-        self._allocate_kv_caches(blocks)
+        target_layers = self.model.cache_layers()
+        allocate_caches(target_layers, blocks, 1, self.device)
         table = torch.arange(blocks, dtype=torch.int32, device=self.device)[None]
         metadata = AttentionMetadata(
             query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
@@ -156,48 +140,39 @@ class ModelRunner:
             query_lens_host=[tokens],
             seq_lens_host=[tokens],
         )
-        positions = torch.arange(tokens, device=self.device)
-        hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device), positions, metadata)
+        ctx = StepContext(torch.arange(tokens, device=self.device), metadata,
+                          state_slots=torch.zeros(1, dtype=torch.int64, device=self.device))
+        hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device), ctx)
         rows = min(self.config.scheduler.max_num_seqs, tokens)
         logits = self.model.compute_logits(hidden[:rows])
         self.sampler(logits, SamplingMetadata.build(
             [SamplingRow(_PROFILE_PARAMS, [0], [], None)] * rows, self.vocab_size, self.device))
-        self._allocate_kv_caches(0)
+        allocate_caches(target_layers, 0, 0, self.device)
 
-    def prepare_inputs(
-        self, batch: ScheduledBatch, block_tables: Sequence[Sequence[int]], previous: StepOutput | None = None
-    ) -> BatchInputs:
+    def prepare_inputs(self, step: StepInput, previous: StepOutput | None = None) -> BatchInputs:
         chunks: list[Chunk] = []
         # Tokens sampled by the step still in flight: (row in this batch, row in that step).
         placeholder_rows: list[int] = []
         previous_rows: list[int] = []
-        previous_index = {id(r): i for i, r in enumerate(previous.requests)} if previous else {}
         # Drafts known only on the device: (first row in this batch, their ids).
         device_drafts: list[tuple[int, torch.Tensor]] = []
         logits_indices: list[int] = []
+        state_slots: list[int] = []
         row = 0
-        for request, n, table in zip(batch.requests, batch.num_new_tokens, block_tables):
-            start = request.num_computed_tokens
-            tokens = request.all_token_ids[start : start + n]
-            drafts = request.drafts
-            if len(tokens) < n and drafts.count:
-                offset = max(0, start - len(request.all_token_ids))
-                wanted = min(drafts.count - offset, n - len(tokens))
-                if drafts.host_ids is not None:
-                    tokens += drafts.host_ids[offset : offset + wanted]
-                else:
-                    assert drafts.device_ids is not None
-                    device_drafts.append((row + len(tokens), drafts.device_ids[offset : offset + wanted]))
-                    tokens += [0] * wanted
-            if len(tokens) < n:  # the last token is a placeholder: read it on the device
-                assert len(tokens) == n - 1, "at most one token per request is in flight"
-                placeholder_rows.append(row + n - 1)
-                previous_rows.append(previous_index[id(request)])
+        for request in step.requests:
+            tokens = list(request.token_ids)
+            if request.device_drafts is not None:
+                device_drafts.append((row + len(tokens), request.device_drafts))
+                tokens += [0] * request.device_drafts.numel()
+            if request.placeholder_row is not None:  # the last token is read on the device
+                placeholder_rows.append(row + request.num_rows - 1)
+                previous_rows.append(request.placeholder_row)
                 tokens.append(0)
-            chunks.append(Chunk(tokens, start, table))
-            row += n
-            if start + n == request.num_tokens_with_drafts:
-                logits_indices.extend(range(row - drafts.count - 1, row))
+            chunks.append(Chunk(tokens, request.start, request.block_ids))
+            if request.state_slot is not None:
+                state_slots.append(request.state_slot)
+            row += request.num_rows
+            logits_indices.extend(range(row - request.num_sampled_rows, row))
         ids, positions, metadata = pack(chunks, self.block_size, self.device)
         if device_drafts:
             rows = [first + i for first, draft_ids in device_drafts for i in range(draft_ids.numel())]
@@ -210,61 +185,40 @@ class ModelRunner:
             else:
                 ids[to_device(placeholder_rows, torch.int64, self.device)] = sampled[
                     to_device(previous_rows, torch.int64, self.device)]
+        if state_slots and len(state_slots) != len(step.requests):
+            raise ValueError("every request of a model with recurrent state needs a state slot")
+        ctx = StepContext(positions, metadata,
+                          state_slots=to_device(state_slots, torch.int64, self.device) if state_slots else None)
         return BatchInputs(
             input_ids=ids,
-            positions=positions,
-            metadata=metadata,
+            ctx=ctx,
             logits_indices=to_device(logits_indices, torch.int64, self.device),
             uniform_query_len=_uniform_query_len(metadata.query_lens_host, len(logits_indices)),
         )
 
     @torch.inference_mode()
-    def execute(
-        self,
-        batch: ScheduledBatch,
-        block_tables: Sequence[Sequence[int]],
-        sampling_requests: list[Request],
-        allowed_masks: Sequence[torch.Tensor | None] = (),
-        previous: StepOutput | None = None,
-    ) -> StepOutput | None:
-        """Launch one step; sample for `sampling_requests` (whose last token this step computes).
-
-        `previous` is the step still in flight, whose sampled ids feed this step's placeholders.
-        """
-        inputs = self.prepare_inputs(batch, block_tables, previous)
+    def execute(self, step: StepInput, previous: StepOutput | None = None) -> StepOutput | None:
+        """Launch one step; sample a token for every request with sampled rows (with drafts: verify
+        them and sample the correction or bonus token). `previous` is the step still in flight,
+        whose sampled ids feed this step's placeholders."""
+        inputs = self.prepare_inputs(step, previous)
         logits = self._logits(inputs)
         if logits is None:
             return None
-        for row, mask in enumerate(allowed_masks):
+        for row, mask in enumerate(step.allowed_masks):
             if mask is not None:
                 logits[row].masked_fill_(~mask.to(self.device, non_blocking=True), float("-inf"))
-        rows = [
-            SamplingRow(
-                params=r.params,
-                prompt_token_ids=r.prompt_token_ids,
-                output_token_ids=r.output_token_ids,
-                generator=r.generator,
-                # A grammar decides when the answer may end; min_tokens must not forbid its stop.
-                banned_token_ids=[] if r.grammar is not None else r.banned_token_ids(),
-            )
-            for r in sampling_requests
-        ]
-        if self.spec_verification is not None:
-            from tokenmill.speculative.target_step import verify_drafts
-
-            spec = verify_drafts(logits, sampling_requests, self.vocab_size, self.spec_verification,
-                                 self.spec_benchmark_length)
+        if step.drafts is not None:
+            spec = draft_verification.verify_drafts(logits, step.drafts, self.vocab_size, self.spec_verification,
+                                                    self.accept_all_drafts)
             sampled = SamplerOutput(spec.token_ids, spec.logprob_token_ids, spec.logprobs)
-            return self._copy_to_host(sampling_requests, sampled, spec.num_accepted)
-        sampled = self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device))
-        return self._copy_to_host(sampling_requests, sampled)
+            return self._copy_to_host(sampled, spec.num_accepted)
+        return self._copy_to_host(self.sampler(logits, SamplingMetadata.build(step.sampling, self.vocab_size, self.device)))
 
-    def _copy_to_host(
-        self, requests: list[Request], sampled: SamplerOutput, num_accepted: torch.Tensor | None = None
-    ) -> StepOutput:
+    def _copy_to_host(self, sampled: SamplerOutput, num_accepted: torch.Tensor | None = None) -> StepOutput:
         tensors = [sampled.sampled_token_ids, sampled.logprob_token_ids, sampled.logprobs, num_accepted]
         if self.copy_stream is None:
-            return StepOutput(requests, sampled, *tensors[:3], copied=None, host_num_accepted=num_accepted)
+            return StepOutput(sampled, *tensors[:3], copied=None, host_num_accepted=num_accepted)
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         host: list[torch.Tensor | None] = []
         with torch.cuda.stream(self.copy_stream):
@@ -276,21 +230,22 @@ class ModelRunner:
                 host.append(torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor, non_blocking=True))
             copied = torch.cuda.Event()
             copied.record(self.copy_stream)
-        return StepOutput(requests, sampled, host[0], host[1], host[2], copied, host[3])
+        return StepOutput(sampled, host[0], host[1], host[2], copied, host[3])
 
     def _logits(self, inputs: BatchInputs) -> torch.Tensor | None:
+        ctx = inputs.ctx
         if inputs.logits_indices.numel() == 0:
-            self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+            self.model(inputs.input_ids, ctx)
             return None
         if inputs.uniform_query_len is not None:
             for graphs in self.graphs:
-                if graphs.fits(inputs.metadata.num_requests, inputs.uniform_query_len):
-                    return graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
+                if graphs.fits(ctx.attention.num_requests, inputs.uniform_query_len):
+                    return graphs.run(inputs.input_ids, ctx)
         if inputs.logits_indices.numel() == inputs.input_ids.numel():  # every row sampled: decode and verify
             for graphs in self.graphs:
-                if graphs.fits_padded(inputs.metadata):
-                    return graphs.run_padded(inputs.input_ids, inputs.metadata)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+                if graphs.fits_padded(ctx.attention):
+                    return graphs.run_padded(inputs.input_ids, ctx)
+        hidden = self.model(inputs.input_ids, ctx)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
     def make_generator(self, seed: int) -> torch.Generator:
@@ -303,19 +258,6 @@ def _uniform_query_len(query_lens: list[int], num_sampled_rows: int) -> int | No
     if num_sampled_rows == first * len(query_lens) and all(n == first for n in query_lens):
         return first
     return None
-
-
-def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
-    """Seeded random weights of realistic scale: N(0, 0.02) matrices, unit norms, zero biases."""
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.zero_()
-            elif param.dim() == 1:
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02, generator=generator)
 
 
 def _require_triton() -> None:

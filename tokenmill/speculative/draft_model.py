@@ -12,85 +12,67 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.request import Drafts, Request
 from tokenmill.errors import ConfigError
+from tokenmill.kv.coordinator import KVCacheCoordinator
+from tokenmill.kv.specs import CacheLayer
 from tokenmill.layers.attention import ATTENTION_BACKENDS, AttentionMetadata
 from tokenmill.layers.linear import Linear
-from tokenmill.layers.sampler import SamplingMetadata, SamplingRow, processed_probs, row_argmax
-from tokenmill.models.llama import head_dim_of
-from tokenmill.models.loader import iter_weights, load_hf_config, resolve_model
-from tokenmill.models.registry import model_class
-from tokenmill.quantization import UnquantizedLinearMethod, quantize_fp8_
-from tokenmill.runner.batch import Chunk, flat_block_tables, pack, slot_of, to_device
-from tokenmill.runner.model_runner import KV_DTYPES, init_dummy_weights
+from tokenmill.layers.step_context import StepContext
+from tokenmill.models.interface import CausalLM, ModelBuild
+from tokenmill.models.loader import load_hf_config, resolve_model
+from tokenmill.numerics import KV_CACHE_DTYPES
+from tokenmill.quantization import Fp8OnLoad
+from tokenmill.runner.batch import Chunk, flat_block_tables, pack_context, slot_of
+from tokenmill.runner.cuda_graphs import StepGraphs
+from tokenmill.runner.model_builder import build_model
+from tokenmill.runner.model_runner import ModelRunner, StepOutput
+from tokenmill.sample.sampler import SamplingMetadata, SamplingRow, processed_probs, row_argmax
 from tokenmill.speculative.draft_vocab import load_draft_vocab
+from tokenmill.speculative.drafts import DraftingRequest, Drafts
+from tokenmill.transfer import to_device
 
-if TYPE_CHECKING:
-    from tokenmill.engine.kv_cache import KVCacheManager
-    from tokenmill.engine.scheduler import ScheduledBatch
-    from tokenmill.runner.cuda_graphs import StepGraphs
-    from tokenmill.runner.model_runner import ModelRunner, StepOutput
 
 class DraftModel:
-    """The draft's weights, built before the target sizes its KV cache (so the memory profile
-    and the per-block byte count include the draft)."""
+    """The draft's weights, built before the target sizes its caches (so the memory profile and
+    the cache plan include the draft, whose cache layers share the target's block ids)."""
 
     def __init__(self, config: EngineConfig) -> None:
         spec = config.speculative
         self.device = torch.device(config.parallel.device)
         self.dtype = config.model.torch_dtype
-        self.kv_dtype = KV_DTYPES.get(spec.draft_kv_cache_dtype, self.dtype)
+        self.kv_dtype = KV_CACHE_DTYPES.get(spec.draft_kv_cache_dtype, self.dtype)
         self.block_size = config.cache.block_size
         dummy = config.model.load_format == "dummy"
         source = resolve_model(spec.model, need_weights=not dummy)
         self.hf_config = load_hf_config(source)
         self.backend = ATTENTION_BACKENDS[config.cache.attention_backend]()
-        c = self.hf_config
-        self.backend.check_supported(c.num_attention_heads, c.num_key_value_heads, head_dim_of(c), self.dtype, self.kv_dtype)
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                self.model = model_class(c)(c, self.backend, config.model.max_model_len, self.device.type == "cuda")
-        finally:
-            torch.set_default_dtype(default_dtype)
-        if dummy:
-            init_dummy_weights(self.model, config.model.seed + 1)
-        else:
-            self.model.load_weights(iter_weights(source))
-        self.model.eval()
-        self.vocab_ids: torch.Tensor | None = None
-        if spec.draft_vocab:
-            self._restrict_head(load_draft_vocab(spec.draft_vocab))
-        if spec.quantization == "fp8":
-            quantize_fp8_(self.model)
+        use_triton = self.device.type == "cuda"
+        self.build = ModelBuild(self.hf_config, self.backend, config.model.max_model_len, self.block_size, self.kv_dtype,
+                                use_triton, Fp8OnLoad(use_triton) if spec.quantization == "fp8" else None)
+        self.vocab_ids = load_draft_vocab(spec.draft_vocab).to(self.device) if spec.draft_vocab else None
+        self.model = build_model(self.build, source, dtype=self.dtype, device=self.device,
+                                 dummy_seed=config.model.seed + 1 if dummy else None,
+                                 before_processing=self._restrict_head if self.vocab_ids is not None else None)
 
-    def _restrict_head(self, ids: torch.Tensor) -> None:
+    def _restrict_head(self, model: CausalLM) -> None:
         """Keep only the head rows of the draft vocabulary: row j of the head drafts token ids[j]."""
+        ids = self.vocab_ids
+        assert ids is not None
         if int(ids.max()) >= self.hf_config.vocab_size:
             raise ConfigError(f"draft_vocab has ids up to {int(ids.max())} beyond the draft's vocabulary")
-        head = self.model.lm_head
-        rows = head.weight.detach()[ids.to(self.device)].clone()
-        self.model.lm_head = Linear(rows.shape[1], rows.shape[0], bias=False, device=self.device, dtype=rows.dtype,
-                                    method=UnquantizedLinearMethod(use_triton=self.device.type == "cuda"))
-        self.model.lm_head.weight.data.copy_(rows)
-        self.vocab_ids = ids.to(self.device)
+        rows = model.lm_head.weight.detach()[ids].clone()
+        model.lm_head = Linear(rows.shape[1], rows.shape[0], bias=False, device=self.device, dtype=rows.dtype,
+                               method=self.build.quant.linear_method("lm_head"))
+        model.lm_head.weight.data.copy_(rows)
 
-    def kv_bytes_per_block(self) -> int:
-        c = self.hf_config
-        return 2 * c.num_key_value_heads * head_dim_of(c) * self.kv_dtype.itemsize * c.num_hidden_layers * self.block_size
-
-    def allocate_kv(self, num_blocks: int) -> None:
-        c = self.hf_config
-        shape = self.backend.kv_cache_shape(num_blocks, self.block_size, c.num_key_value_heads, head_dim_of(c))
-        for layer in self.model.attention_layers():
-            layer.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+    def cache_layers(self) -> dict[str, CacheLayer]:
+        """The draft's cache layers, named apart from the target's."""
+        return {f"draft.{name}": layer for name, layer in self.model.cache_layers().items()}
 
 
 class DraftModelProposer:
@@ -110,7 +92,7 @@ class DraftModelProposer:
     reads that result; the proposal then starts from its logits.
     """
 
-    def __init__(self, config: EngineConfig, draft: DraftModel, target: ModelRunner, kv: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, draft: DraftModel, target: ModelRunner, kv: KVCacheCoordinator) -> None:
         if draft.hf_config.vocab_size > target.vocab_size:
             raise ConfigError(
                 f"the draft's vocabulary ({draft.hf_config.vocab_size}) is larger than the target's "
@@ -121,7 +103,6 @@ class DraftModelProposer:
         self.vocab_size = target.vocab_size
         self.greedy = config.speculative.draft_sampling == "greedy"
         self.scratch_slot = target.num_blocks * draft.block_size
-        draft.allocate_kv(target.num_blocks + 1)
         self.max_model_len = config.model.max_model_len
         self.max_step_tokens = config.scheduler.max_num_batched_tokens
         self.decode_graphs: StepGraphs | None = None
@@ -135,7 +116,7 @@ class DraftModelProposer:
             self.catch_up_graphs.capture()
 
     @torch.inference_mode()
-    def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> None:
+    def propose(self, requests: Sequence[DraftingRequest], limits: Sequence[int]) -> None:
         followed, self._followed = self._followed, None  # serves the proposal right after its verify step only
         kept = [(r, limit) for r, limit in zip(requests, limits) if self._reserve(r, limit)]
         if not kept:
@@ -192,17 +173,17 @@ class DraftModelProposer:
         one_hot = [F.one_hot(ids, self.vocab_size).float() if q is None else q for q, ids in zip(probs, tokens)]
         return torch.stack(one_hot, dim=1)
 
-    def _catch_up(self, requests: Sequence[Request], tables: Sequence[Sequence[int]]) -> torch.Tensor:
+    def _catch_up(self, requests: Sequence[DraftingRequest], tables: Sequence[Sequence[int]]) -> torch.Tensor:
         """Draft logits after each request's last known token, computing the tokens the draft's
         cache lacks."""
         graphs = self.catch_up_graphs
         behind = [len(r.all_token_ids) - r.draft_num_computed for r in requests]
         if graphs is not None and graphs.fits(len(requests), 2) and all(1 <= n <= 2 for n in behind):
             chunks = [Chunk(r.all_token_ids[-2:], len(r.all_token_ids) - 2, t) for r, t in zip(requests, tables)]
-            return self._last_token_logits(*pack(chunks, self.draft.block_size, self.draft.device), graphed=True)
+            return self._last_token_logits(*pack_context(chunks, self.draft.block_size, self.draft.device), graphed=True)
         return self._catch_up_eagerly(requests, tables)
 
-    def _catch_up_eagerly(self, requests: Sequence[Request], tables: Sequence[Sequence[int]]) -> torch.Tensor:
+    def _catch_up_eagerly(self, requests: Sequence[DraftingRequest], tables: Sequence[Sequence[int]]) -> torch.Tensor:
         """The catch-up as eager forwards of at most the step token budget each (after a prefix-cache
         hit the draft computes the whole cached prompt: one forward could outgrow the memory the
         start-up profile measured). Each forward takes every unfinished request's next piece, in
@@ -220,49 +201,48 @@ class DraftModelProposer:
                 chunks.append(Chunk(ids[starts[b] : starts[b] + n], starts[b], tables[b]))
                 starts[b] += n
                 room -= n
-            rows = self._last_token_logits(*pack(chunks, self.draft.block_size, self.draft.device), graphed=False)
+            rows = self._last_token_logits(*pack_context(chunks, self.draft.block_size, self.draft.device), graphed=False)
             for b, row in zip(pending, rows):
                 if starts[b] == len(requests[b].all_token_ids):
                     logits[b] = row
             pending = [b for b in pending if logits[b] is None]
         return torch.stack(logits)
 
-    def _last_token_logits(
-        self, ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, graphed: bool
-    ) -> torch.Tensor:
+    def _last_token_logits(self, ids: torch.Tensor, ctx: StepContext, graphed: bool) -> torch.Tensor:
         """Draft logits after each request's last row of a catch-up forward (graphed: two rows
         each, replayed in the catch-up graph)."""
         if graphed:
             assert self.catch_up_graphs is not None
-            return self.catch_up_graphs.run(ids, positions, metadata)[1::2]
-        hidden = self.draft.model(ids, positions, metadata)
-        return self.draft.model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1])
+            return self.catch_up_graphs.run(ids, ctx)[1::2]
+        hidden = self.draft.model(ids, ctx)
+        return self.draft.model.compute_logits(hidden[ctx.attention.query_start_loc[1:].long() - 1])
 
     @torch.inference_mode()
-    def follow(self, batch: ScheduledBatch, step: StepOutput | None) -> None:
+    def follow(self, scheduled: Sequence[tuple[DraftingRequest, int]], sampled: Sequence[DraftingRequest],
+               step: StepOutput | None) -> None:
         self._followed = None
-        self._compute_prompt_chunks(batch)
+        self._compute_prompt_chunks(scheduled)
         if step is not None:
-            self._follow_verify(step)
+            self._follow_verify(sampled, step)
 
-    def _compute_prompt_chunks(self, batch: ScheduledBatch) -> None:
+    def _compute_prompt_chunks(self, scheduled: Sequence[tuple[DraftingRequest, int]]) -> None:
         """The draft computes the step's prompt chunks behind the target, at the same positions and
         slots, so its cache keeps level with the target's through the prompt: its prompt pass is
         prompt processing (in the time to first token, within the step's token budget, as in
         vLLM) and the first proposal catches up one token. Only chunks the draft is level at: after
         a prefix-cache hit the first proposal's catch-up computes the cached part too."""
         chunks, levelled = [], []
-        for r, n in zip(batch.requests, batch.num_new_tokens):
+        for r, n in scheduled:
             start = r.num_computed_tokens  # finish_step has not counted this step yet
             if start == r.draft_num_computed and start < len(r.prompt_token_ids) and start + n <= len(r.all_token_ids):
                 chunks.append(Chunk(r.all_token_ids[start : start + n], start, self.kv.block_tables[r.request_id]))
                 levelled.append((r, start + n))
         if chunks:
-            self.draft.model(*pack(chunks, self.draft.block_size, self.draft.device))
+            self.draft.model(*pack_context(chunks, self.draft.block_size, self.draft.device))
             for r, computed in levelled:
                 r.draft_num_computed = computed
 
-    def _follow_verify(self, step: StepOutput) -> None:
+    def _follow_verify(self, sampled: Sequence[DraftingRequest], step: StepOutput) -> None:
         """Launch the next proposal's catch-up behind a verify step, on the device's copy of its
         result: request b, which had L tokens and accepted a of its drafts, feeds the tokens at
         positions L + a - 1 and L + a (the last accepted token, or its last known one, and the
@@ -272,13 +252,13 @@ class DraftModelProposer:
         size, graphs = self.draft.block_size, self.catch_up_graphs
         if graphs is None and self.draft.device.type != "cpu":
             return
-        batch_rows = [b for b, r in enumerate(step.requests) if r.drafts.count and self._verify_slot_reserved(r)]
+        batch_rows = [b for b, r in enumerate(sampled) if r.drafts.count and self._verify_slot_reserved(r)]
         if not batch_rows or graphs is not None and not graphs.fits(len(batch_rows), 2):
             return
-        requests = [step.requests[b] for b in batch_rows]
+        requests = [sampled[b] for b in batch_rows]
         device = self.draft.device
         emitted = step.sampled.sampled_token_ids  # [B, G + 1]: accepted drafts, then one token; -1 after
-        if len(batch_rows) < len(step.requests):
+        if len(batch_rows) < len(sampled):
             emitted = emitted[to_device(batch_rows, torch.int64, device)]
         known, last = to_device([[r.num_tokens for r in requests], [r.all_token_ids[-1] for r in requests]],
                                 torch.int64, device)
@@ -299,31 +279,30 @@ class DraftModelProposer:
             else seq_lens.tolist(),
         )
         ids = candidates.gather(1, columns).view(-1)
-        logits = self._last_token_logits(ids, positions.view(-1), metadata, graphed=graphs is not None)
+        logits = self._last_token_logits(ids, StepContext(positions.view(-1), metadata), graphed=graphs is not None)
         self._followed = _FollowedCatchUp(
             logits, {r.request_id: (b, r.num_tokens, r.num_tokens + r.drafts.count + 1) for b, r in enumerate(requests)})
 
-    def _verify_slot_reserved(self, request: Request) -> bool:
+    def _verify_slot_reserved(self, request: DraftingRequest) -> bool:
         """Whether the verify step's own token has a slot (position L + drafts, within the context)."""
         position = request.num_tokens + request.drafts.count
         return position < self.max_model_len and position < len(self.kv.block_tables[request.request_id]) * self.draft.block_size
 
-    def _decode(self, ids: torch.Tensor, step: tuple[torch.Tensor, AttentionMetadata]) -> torch.Tensor:
-        positions, metadata = step
-        if self.decode_graphs is not None and self.decode_graphs.fits(metadata.num_requests, 1):
-            return self.decode_graphs.run(ids, positions, metadata)
-        return self.draft.model.compute_logits(self.draft.model(ids, positions, metadata))
+    def _decode(self, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        if self.decode_graphs is not None and self.decode_graphs.fits(ctx.attention.num_requests, 1):
+            return self.decode_graphs.run(ids, ctx)
+        return self.draft.model.compute_logits(self.draft.model(ids, ctx))
 
     def forget(self, request_id: str) -> None:
         pass  # per-request state lives on the Request
 
-    def _reserve(self, request: Request, limit: int) -> bool:
+    def _reserve(self, request: DraftingRequest, limit: int) -> bool:
         """Room in the shared block table for the drafts' positions and, within the context, one
         more: the verify's own token, which a followed catch-up writes (False: draft nothing)."""
         ahead = 1 if request.num_tokens + limit < self.max_model_len else 0
         return limit > 0 and self.kv.allocate_slots(request, request.num_tokens - request.num_computed_tokens + limit + ahead)
 
-    def _row(self, request: Request, drafted: list[int], banned: list[int]) -> SamplingRow:
+    def _row(self, request: DraftingRequest, drafted: list[int], banned: list[int]) -> SamplingRow:
         """Sampling inputs of a draft position (`drafted`: the drafts before it, under penalties)."""
         params = replace(request.params, logprobs=None)
         if self.greedy and not params.greedy:
@@ -347,7 +326,7 @@ class _FollowedCatchUp:
     logits: torch.Tensor  # [B, draft vocabulary]: after each request's verify token
     rows: dict[str, tuple[int, int, int]]  # request id: (row, tokens before the verify, most tokens after it)
 
-    def logits_for(self, requests: Sequence[Request]) -> torch.Tensor | None:
+    def logits_for(self, requests: Sequence[DraftingRequest]) -> torch.Tensor | None:
         """The rows of these requests, if it covered every one of them as they are now (resolved
         from its verify step: L + 1 to L + drafts + 1 tokens); else None."""
         rows = []
@@ -369,7 +348,7 @@ class _DecodeSteps:
     slot; its logits are ignored.
     """
 
-    def __init__(self, requests: Sequence[Request], tables: Sequence[Sequence[int]], limits: Sequence[int],
+    def __init__(self, requests: Sequence[DraftingRequest], tables: Sequence[Sequence[int]], limits: Sequence[int],
                  block_size: int, scratch_slot: int, device: torch.device) -> None:
         gamma = max(limits)
         positions, slots = [], []
@@ -389,16 +368,16 @@ class _DecodeSteps:
         self.slots = to_device(slots, torch.int64, device)
         self.seq_lens = to_device(self.seq_lens_host, torch.int32, device)
 
-    def metadata(self, step: int) -> tuple[torch.Tensor, AttentionMetadata]:
+    def metadata(self, step: int) -> StepContext:
         i = step - 1
-        return self.positions[i], AttentionMetadata(
+        return StepContext(self.positions[i], AttentionMetadata(
             query_start_loc=self.query_start_loc,
             seq_lens=self.seq_lens[i],
             block_tables=self.block_tables,
             slot_mapping=self.slots[i],
             query_lens_host=[1] * len(self.seq_lens_host[i]),
             seq_lens_host=self.seq_lens_host[i],
-        )
+        ))
 
 
 def _sample(probs: torch.Tensor) -> torch.Tensor:

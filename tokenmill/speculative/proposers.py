@@ -3,26 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from tokenmill.config import EngineConfig, SpeculativeConfig
-from tokenmill.engine.request import NO_DRAFTS, Drafts, Request
+from tokenmill.kv.coordinator import KVCacheCoordinator
+from tokenmill.runner.model_runner import ModelRunner, StepOutput
 from tokenmill.speculative.draft_model import DraftModel, DraftModelProposer
+from tokenmill.speculative.drafts import NO_DRAFTS, DraftingRequest, Drafts
 from tokenmill.speculative.ngram import NgramProposer
-
-if TYPE_CHECKING:
-    from tokenmill.engine.kv_cache import KVCacheManager
-    from tokenmill.engine.scheduler import ScheduledBatch
-    from tokenmill.runner.model_runner import ModelRunner, StepOutput
 
 
 class Proposer(Protocol):
-    def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> None:
+    def propose(self, requests: Sequence[DraftingRequest], limits: Sequence[int]) -> None:
         """Set each request's drafts (at most its limit of them)."""
 
-    def follow(self, batch: ScheduledBatch, step: StepOutput | None) -> None:
+    def follow(self, scheduled: Sequence[tuple[DraftingRequest, int]], sampled: Sequence[DraftingRequest],
+               step: StepOutput | None) -> None:
         """Work behind a launched step, before the host reads its result: a draft model computes
-        the step's prompt chunks too, and starts on the next proposal (`step`: what it samples)."""
+        the step's prompt chunks too (`scheduled`: each request with its tokens this step), and
+        starts on the next proposal (`step`: what it samples, a row per request of `sampled`)."""
 
     def forget(self, request_id: str) -> None:
         """Drop any state kept for a request that finished or was aborted."""
@@ -34,12 +33,13 @@ class PromptLookupProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
 
-    def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> None:
+    def propose(self, requests: Sequence[DraftingRequest], limits: Sequence[int]) -> None:
         for request, limit in zip(requests, limits):
             ids = list(self.ngram.propose_request(request.request_id, request.all_token_ids, limit))
             request.drafts = Drafts(len(ids), host_ids=ids) if ids else NO_DRAFTS
 
-    def follow(self, batch: ScheduledBatch, step: StepOutput | None) -> None:
+    def follow(self, scheduled: Sequence[tuple[DraftingRequest, int]], sampled: Sequence[DraftingRequest],
+               step: StepOutput | None) -> None:
         pass  # lookups need the accepted tokens on the host
 
     def forget(self, request_id: str) -> None:
@@ -47,7 +47,7 @@ class PromptLookupProposer:
 
 
 def build_proposer(
-    config: EngineConfig, target: ModelRunner, kv: KVCacheManager, draft: DraftModel | None
+    config: EngineConfig, target: ModelRunner, kv: KVCacheCoordinator, draft: DraftModel | None
 ) -> Proposer | None:
     method = config.speculative.method
     if method is None:

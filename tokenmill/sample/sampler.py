@@ -257,8 +257,8 @@ def process_logits(
 
 def row_argmax(logits: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     """argmax of each row (the first maximum), in two passes when rows are few and long: torch
-    reduces a row in one thread block (about 28 us for a 128k vocabulary on an H200, per decode
-    step), while chunks of `chunk` spread the first pass over the machine."""
+    reduces a row in one thread block, while chunks of `chunk` spread the first pass over the
+    machine."""
     rows, vocab = logits.shape
     if rows >= 32 or vocab % chunk or vocab <= 8 * chunk:
         return logits.argmax(dim=-1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.layers.sampler import (
+from tokenmill.sample.sampler import (
     Sampler,
     SamplingMetadata,
     SamplingRow,

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.layers.sampler import exponential_argmax
+from tokenmill.sample.sampler import exponential_argmax
 
 _MIN_RESIDUAL_MASS = 1e-8
 _SEEDED_UNIFORMS = 32

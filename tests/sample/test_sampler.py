@@ -9,7 +9,7 @@ import pytest
 import torch
 from no_host_sync import forbid_host_reads
 
-from tokenmill.layers.sampler import (
+from tokenmill.sample.sampler import (
     Sampler,
     SamplingMetadata,
     SamplingRow,
@@ -379,7 +379,7 @@ def test_forward_does_not_synchronise_on_cuda() -> None:
 
 
 def test_row_argmax_two_pass_equals_argmax_and_keeps_the_first_maximum() -> None:
-    from tokenmill.layers.sampler import row_argmax
+    from tokenmill.sample.sampler import row_argmax
 
     torch.manual_seed(0)
     logits = torch.randn(3, 128256)

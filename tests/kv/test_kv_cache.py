@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from tokenmill.engine.kv_cache import BlockPool, KVCacheManager, hash_block
 from tokenmill.engine.request import Request
+from tokenmill.kv.block_pool import BlockPool, hash_block
+from tokenmill.kv.coordinator import KVCacheCoordinator
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -36,7 +37,7 @@ def test_least_recently_freed_cached_block_is_evicted_first() -> None:
 
 
 def test_cache_hit_leaves_at_least_one_token_to_compute() -> None:
-    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    kv = KVCacheCoordinator.paged_only(num_blocks=8, block_size=4, enable_prefix_caching=True)
     first = make_request("a", list(range(8)))
     assert kv.allocate_slots(first, 8)
     first.num_computed_tokens = 8
@@ -52,7 +53,7 @@ def test_cache_hit_leaves_at_least_one_token_to_compute() -> None:
 
 
 def test_allocation_failure_changes_nothing() -> None:
-    kv = KVCacheManager(num_blocks=2, block_size=4, enable_prefix_caching=False)
+    kv = KVCacheCoordinator.paged_only(num_blocks=2, block_size=4, enable_prefix_caching=False)
     request = make_request("a", list(range(12)))
     assert not kv.allocate_slots(request, 12)
     assert kv.pool.num_free == 2 and "a" not in kv.block_tables

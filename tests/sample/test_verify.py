@@ -21,10 +21,8 @@ import pytest
 import torch
 from no_host_sync import forbid_host_reads
 
-from tokenmill.layers.sampler import SamplingMetadata, SamplingRow, exponential_argmax, processed_probs
-from tokenmill.sampling_params import SamplingParams
-from tokenmill.speculative import verify as verify_module
-from tokenmill.speculative.verify import (
+from tokenmill.sample import rejection as verify_module
+from tokenmill.sample.rejection import (
     VerifyInput,
     VerifyOutput,
     accept_all,
@@ -33,6 +31,8 @@ from tokenmill.speculative.verify import (
     verify_greedy,
     verify_tokenwise,
 )
+from tokenmill.sample.sampler import SamplingMetadata, SamplingRow, exponential_argmax, processed_probs
+from tokenmill.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 V = 8  # vocabulary

@@ -1,0 +1,90 @@
+"""Cache specs: what each layer keeps, declared by the layer, sized and allocated from here once.
+
+Two kinds exist. A paged spec keeps a fixed number of bytes per token in blocks of `block_size`
+tokens; every paged layer of a model (and of its draft) shares the same block ids, so one block
+id means `block_size` tokens in every paged layer, and a block's bytes are the sum over those
+layers. A state spec keeps fixed-size tensors per running request (a recurrent state, a conv
+window), in slots that do not grow with the context.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+class CacheSpec(ABC):
+    """What one layer caches."""
+
+
+@dataclass(frozen=True)
+class PagedCacheSpec(CacheSpec):
+    """A fixed number of values per token, stored in blocks of block_size tokens."""
+
+    block_size: int
+    dtype: torch.dtype
+
+    @abstractmethod
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The cache tensor's shape for num_blocks blocks."""
+
+    def bytes_per_block(self) -> int:
+        return math.prod(self.shape(1)) * self.dtype.itemsize
+
+    def allocate(self, num_blocks: int, device: torch.device | str) -> torch.Tensor:
+        return torch.zeros(self.shape(num_blocks), dtype=self.dtype, device=device)
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(PagedCacheSpec):
+    """Keys and values per KV head: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    num_kv_heads: int
+    head_dim: int
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+
+@dataclass(frozen=True)
+class LatentAttentionSpec(PagedCacheSpec):
+    """One latent vector per token (MLA: the compressed KV and the rotary key part):
+    [num_blocks, block_size, latent_dim]."""
+
+    latent_dim: int
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.block_size, self.latent_dim)
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    name: str
+    shape: tuple[int, ...]  # per request
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class RecurrentStateSpec(CacheSpec):
+    """Fixed-size tensors per running request, in slots: each [num_slots, *shape]."""
+
+    tensors: tuple[StateTensor, ...]
+
+    def bytes_per_slot(self) -> int:
+        return sum(math.prod(t.shape) * t.dtype.itemsize for t in self.tensors)
+
+    def allocate(self, num_slots: int, device: torch.device | str) -> dict[str, torch.Tensor]:
+        return {t.name: torch.zeros((num_slots, *t.shape), dtype=t.dtype, device=device) for t in self.tensors}
+
+
+@runtime_checkable
+class CacheLayer(Protocol):
+    """A module that keeps a cache: it says what it needs, and is given the tensor(s) to use."""
+
+    def cache_spec(self) -> CacheSpec: ...
+
+    def bind_cache(self, cache: torch.Tensor | dict[str, torch.Tensor]) -> None: ...

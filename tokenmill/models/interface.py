@@ -1,0 +1,84 @@
+"""What every model is: built from a `ModelBuild`, a forward over a packed batch and its
+`StepContext`, logits from hidden states, cache specs from its cache layers, and a checkpoint
+loader driven by per-parameter weight loaders.
+
+A new architecture is one file with a `CausalLM` subclass and one line in registry.py.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from tokenmill.kv.specs import CacheLayer, CacheSpec
+from tokenmill.layers.attention import AttentionBackend
+from tokenmill.layers.step_context import RequestInputSpec, StepContext
+from tokenmill.quantization import LinearMethod, QuantizationConfig, Unquantized
+
+
+@dataclass(frozen=True)
+class ModelBuild:
+    """Everything a model's constructor needs besides its own config."""
+
+    hf_config: PretrainedConfig
+    attention_backend: AttentionBackend
+    max_model_len: int
+    block_size: int = 16
+    kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
+    use_triton: bool = False  # the fused Triton kernels (CUDA) instead of the PyTorch reference ops
+    quantization: QuantizationConfig | None = None  # None: unquantized
+
+    @property
+    def quant(self) -> QuantizationConfig:
+        return self.quantization or Unquantized(self.use_triton)
+
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_cache_dtype or torch.get_default_dtype()
+
+
+class CausalLM(nn.Module, ABC):
+    """A decoder-only language model over tokenmill's packed batches."""
+
+    def __init__(self, build: ModelBuild) -> None:
+        super().__init__()
+        self.config = build.hf_config
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """Final hidden states [T, hidden] of the packed tokens."""
+
+    @abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab] of the given hidden-state rows."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy a checkpoint's (name, tensor) pairs into the parameters; raise ModelLoadError on a
+        tensor without a place or a parameter left unfilled."""
+
+    def cache_layers(self) -> dict[str, CacheLayer]:
+        """Every module that keeps a cache, by module path, in forward order."""
+        return {name: m for name, m in self.named_modules() if name and isinstance(m, CacheLayer)}
+
+    def attention_layers(self) -> list[nn.Module]:
+        """The cache layers whose cache may be FP8 with per-layer scales (k_scale, v_scale)."""
+        return [m for m in self.cache_layers().values() if hasattr(m, "checkpoint_kv_scales")]  # type: ignore[misc]
+
+    def cache_specs(self) -> dict[str, CacheSpec]:
+        return {name: layer.cache_spec() for name, layer in self.cache_layers().items()}
+
+    def request_inputs(self) -> dict[str, RequestInputSpec]:
+        """Per-request inputs this model reads from StepContext.request_inputs (none by default)."""
+        return {}
+
+    def process_weights_after_loading(self) -> None:
+        """Let every quantization method finish its layers (e.g. quantize on load)."""
+        for module in self.modules():
+            method = getattr(module, "method", None)
+            if isinstance(method, LinearMethod):
+                method.process_weights_after_loading(module)  # type: ignore[arg-type]

@@ -1,0 +1,60 @@
+"""FP8 KV-cache scales at start-up: the runner's side of quantization/kv_scales.py — which text the
+calibration forward reads, and running that forward into scratch caches."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from tokenmill.data import shipped_corpus_text
+from tokenmill.errors import ConfigError
+from tokenmill.layers.step_context import StepContext
+from tokenmill.models.interface import CausalLM
+from tokenmill.models.loader import CheckpointSource, load_tokenizer
+from tokenmill.quantization.kv_scales import CALIBRATION_TOKENS, recorded_kv_amax, set_kv_scales
+from tokenmill.runner.batch import Chunk, pack
+
+if TYPE_CHECKING:
+    from tokenmill.runner.model_runner import ModelRunner
+
+_RANDOM_IDS_SEED = 0
+
+
+def configure_kv_scales(runner: ModelRunner, source: CheckpointSource) -> None:
+    """Give every attention layer of the target the KV scales it serves with (before CUDA graphs)."""
+    model = runner.model
+    budget = min(CALIBRATION_TOKENS, runner.config.model.max_model_len, runner.config.scheduler.max_num_batched_tokens)
+
+    def measure() -> tuple[list[tuple[float, float]], int, str]:
+        token_ids, what = calibration_token_ids(source, runner.vocab_size, budget)
+        return measure_kv_amax(model, token_ids, runner.block_size, runner.dtype, runner.device), len(token_ids), what
+
+    set_kv_scales(model.attention_layers(), runner.kv_dtype, runner.config.cache.calculate_kv_scales, measure)
+
+
+def calibration_token_ids(source: CheckpointSource, vocab_size: int, max_tokens: int) -> tuple[list[int], str]:
+    """(token ids, what they are): the corpus text through the model's tokenizer (with its special
+    tokens, as a text prompt gets them), else seeded random ids for a model without a tokenizer."""
+    tokenizer = load_tokenizer(source)
+    if tokenizer is None:
+        generator = torch.Generator().manual_seed(_RANDOM_IDS_SEED)
+        return torch.randint(vocab_size, (max_tokens,), generator=generator).tolist(), "seeded random ids (no tokenizer)"
+    text = shipped_corpus_text()[: 16 * max_tokens]  # no tokenizer packs more than 16 characters per token
+    ids = [t for t in tokenizer(text).input_ids if 0 <= t < vocab_size][:max_tokens]
+    return ids, "Newton's Opticks"
+
+
+@torch.inference_mode()
+def measure_kv_amax(
+    model: CausalLM, token_ids: list[int], block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[tuple[float, float]]:
+    """(amax |k|, amax |v|) per attention layer over one sequence of token_ids, each layer
+    attending over a scratch cache in the model dtype."""
+    layers = model.attention_layers()
+    if not token_ids:
+        raise ConfigError("the KV-scale calibration text has no tokens")
+    blocks = -(-len(token_ids) // block_size)
+    scratch = [torch.zeros(layer.cache_spec().shape(blocks), dtype=dtype, device=device) for layer in layers]
+    ids, positions, metadata = pack([Chunk(token_ids, 0, range(blocks))], block_size, device)
+    return recorded_kv_amax(layers, scratch, lambda: model(ids, StepContext(positions, metadata)), dtype)

@@ -1,0 +1,51 @@
+"""The one way models are made, target and draft alike: construct from a ModelBuild in the
+model's dtype on its device, fill the weights (checkpoint or seeded random), let the
+quantization methods finish, evaluation mode."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from tokenmill.models.interface import CausalLM, ModelBuild
+from tokenmill.models.loader import CheckpointSource, iter_weights
+from tokenmill.models.registry import model_class
+
+
+def build_model(
+    build: ModelBuild, source: CheckpointSource, *, dtype: torch.dtype, device: torch.device, dummy_seed: int | None,
+    before_processing: Callable[[CausalLM], None] | None = None,
+) -> CausalLM:
+    """dummy_seed: seeded random weights of realistic scale instead of the checkpoint's (benchmarks).
+    before_processing: a change to make on the loaded weights before quantization methods process
+    them (a draft restricts its head to a draft vocabulary there)."""
+    cls = model_class(build.hf_config)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(build)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    if dummy_seed is not None:
+        init_dummy_weights(model, dummy_seed)
+    else:
+        model.load_weights(iter_weights(source))
+    if before_processing is not None:
+        before_processing(model)
+    model.process_weights_after_loading()
+    return model.eval()
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Seeded random weights of realistic scale: N(0, 0.02) matrices, unit norms, zero biases."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.zero_()
+            elif param.dim() == 1:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)

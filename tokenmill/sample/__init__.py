@@ -1,0 +1,1 @@
+"""Turning logits into tokens: sampling, and verifying speculative drafts against the target."""
