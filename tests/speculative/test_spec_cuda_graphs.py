@@ -97,10 +97,10 @@ def test_followed_catch_up_runs_behind_the_verify_without_reading_it(
     proposers: list[DraftModelProposer] = []
     served = proposals = 0
 
-    def guarded_follow(self, step):
+    def guarded_follow(self, *args):
         with pytest.MonkeyPatch.context() as patch:
             forbid_host_reads(patch, "follow")
-            follow(self, step)
+            follow(self, *args)
 
     def recorded(self, requests, limits):
         nonlocal proposals
