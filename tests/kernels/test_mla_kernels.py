@@ -5,8 +5,6 @@ prefill kernel."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from kernel_cases import on_cpu, on_gpu, paged_batch

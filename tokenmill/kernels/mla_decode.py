@@ -23,7 +23,7 @@ MAX_SPLITS = 256
 WAVES = 2
 # Fewest keys of the longest request per split: each split also writes a float32 partial
 # output of rows x kv_lora_rank, which must stay small beside the latent bytes it reads.
-MIN_SPLIT_KEYS = 128
+MIN_SPLIT_KEYS = 256
 # Rows (query tokens x heads) per program on a GPU: one tensor-core tile of queries; more would
 # hold rows x kv_lora_rank float32 accumulators beyond the register file.
 MAX_ROWS = 64
@@ -76,7 +76,7 @@ def plan_absorbed(
     if block_q is None:
         block_q = max(1, min(next_pow2(max_query_len), max_rows // block_h))
     if block_n is None:
-        block_n = (64 if fp8_cache else 32) if on_gpu else 8
+        block_n = 32 if on_gpu else 8
     block_m = block_q * block_h
     head_tiles = -(-num_heads // block_h)
     num_tiles = num_tokens if block_q == 1 else num_tokens // block_q + num_requests
@@ -87,8 +87,9 @@ def plan_absorbed(
         by_length = -(-max_seq_len // min_split_tokens)
         num_splits = max(1, min(wanted, by_length, MAX_SPLITS))
     min_split_tiles = max(1, min_split_tokens // block_n)
-    num_warps = 4 if block_m <= 16 else 8
-    num_stages = 2 if on_gpu else 1
+    # 8 warps keep a 16-row decode tile's accumulators and widened FP8 tile out of local memory.
+    num_warps = 8 if on_gpu else 4
+    num_stages = (2 if block_m >= 64 or fp8_cache else 3) if on_gpu else 1
     return AbsorbedPlan(block_h, block_q, block_n, num_splits, min_split_tiles, num_warps, num_stages, num_tiles, head_tiles)
 
 
@@ -105,7 +106,8 @@ def absorbed_attention(
     out: torch.Tensor | None = None,  # [T, H, kv_lora_rank], any token/head strides
 ) -> torch.Tensor:
     """Causal MQA of absorbed queries over their requests' cached latents (which must already hold
-    this step's tokens). Rows of `out` outside every request are left as they are."""
+    this step's tokens). cache_scale applies to an FP8 cache only, as in mla_ref. Rows of `out`
+    outside every request are left as they are."""
     num_tokens, num_heads, latent_dim = q_latent.shape
     rope_dim = q_pe.shape[2]
     if cache.shape[2] != latent_dim + rope_dim:
@@ -117,6 +119,8 @@ def absorbed_attention(
         return out
     if q_latent.stride(2) != 1 or q_pe.stride(2) != 1 or cache.stride(2) != 1 or out.stride(2) != 1:
         raise ValueError("absorbed_attention needs a unit stride along the last dimension")
+    if cache.dtype != FP8_DTYPE:
+        cache_scale = 1.0
     splits = plan.num_splits
     if plan.split:
         part_out = torch.empty((num_tokens, num_heads, splits, latent_dim), dtype=torch.float32, device=q_latent.device)

@@ -128,7 +128,9 @@ def upprojected_attention(
     softmax_scale: float,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:  # [T, H, v_head_dim] in q's dtype
+    """block_m / block_n / num_warps: the tile (None: chosen here)."""
     num_tokens, num_heads, nope = q_nope.shape
     rope, vdim = q_pe.shape[2], v.shape[2]
     out = torch.empty(num_tokens, num_heads, vdim, dtype=q_nope.dtype, device=q_nope.device)
@@ -148,6 +150,6 @@ def upprojected_attention(
         NOPE=nope, ROPE=rope, VDIM=vdim, NOPE_P=next_pow2(nope), ROPE_P=next_pow2(rope), VDIM_P=next_pow2(vdim),
         BLOCK_M=block_m, BLOCK_N=block_n,
         UPCAST=interpreting() and q_nope.dtype == torch.bfloat16, IEEE=q_nope.dtype == torch.float32,
-        num_warps=8 if on_gpu else 4, num_stages=2 if on_gpu else 1,
+        num_warps=num_warps or (8 if on_gpu else 4), num_stages=2 if on_gpu else 1,
     )
     return out
