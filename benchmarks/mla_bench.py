@@ -243,8 +243,10 @@ class Bench:
             md = self.metadata(qlens, slens)
             x = torch.randn(s.prefill, s.hidden, dtype=torch.bfloat16, device=s.device) * 0.1
             cache = self.caches[torch.bfloat16].clone()
-            q_nope, q_pe, latent, k_pe = layer.project(torch.arange(depth, depth + s.prefill, device=s.device), x)
-            layer.backend.write(latent, k_pe, cache, md.slot_mapping, 1.0)
+            q, compressed = layer.projections(x)
+            layer.backend.prepare(torch.arange(depth, depth + s.prefill, device=s.device), q, compressed,
+                                  layer.kv_a_layernorm, layer.rotary, cache, md.slot_mapping, 1.0)
+            q_nope, q_pe = q.split([s.nope, s.rope], -1)
             pairs = s.prefill * depth + s.prefill * (s.prefill + 1) // 2
             results = {}
             for path, attend, flops in (("absorbed", layer.attend_absorbed, 2 * pairs * s.heads * (s.width + s.latent)),

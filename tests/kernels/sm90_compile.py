@@ -157,15 +157,18 @@ def mla_variants():
             "v_ptr": "*bf16", "qsl_ptr": "*i32", "kv_starts_ptr": "*i64", "seq_lens_ptr": "*i32", "qk_scale": "fp32"},
            dict(NOPE=128, ROPE=64, VDIM=128, NOPE_P=128, ROPE_P=64, VDIM_P=128, BLOCK_M=64, BLOCK_N=64, UPCAST=False,
                 IEEE=False), 8, 2)
-    for cache in ("bf16", "fp8e4nv"):
-        yield (f"mla latent write cache={cache}", _write_latent_kernel,
-               {"latent_ptr": "*bf16", "pe_ptr": "*bf16", "cache_ptr": f"*{cache}", "slot_ptr": "*i64", "scale": "fp32"},
-               dict(LATENT=512, ROPE=64, LATENT_P=512, ROPE_P=64, PAGE=64, QUANT=cache != "bf16", EMULATE_ROUNDING=False),
-               4, 1)
+    write_types = {"latent_ptr": "*bf16", "pe_ptr": "*bf16", "slot_ptr": "*i64", "scale": "fp32", "q_ptr": "*bf16",
+                   "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "norm_w_ptr": "*bf16", "eps": "fp32",
+                   "attention_factor": "fp32"}
+    for cache, heads, rotate in (("bf16", 0, 0), ("fp8e4nv", 16, 1), ("fp8e4nv", 128, 2)):
+        label = f"mla latent write cache={cache}" if not heads else f"mla prepare (norm, rope {rotate}) cache={cache} H={heads}"
+        yield (label, _write_latent_kernel, dict(write_types, cache_ptr=f"*{cache}"),
+               dict(LATENT=512, ROPE=64, LATENT_P=512, HALF_P=32, HEADS_P=max(1, heads), Q_PE=128, NORM=heads > 0,
+                    ROTATE=rotate, PAGE=64, QUANT=cache != "bf16", EMULATE_ROUNDING=False), 4, 1)
 
 
 QUICK_MLA = {"mla absorbed cache=bf16 H=16 q=1", "mla absorbed cache=fp8e4nv H=16 q=1", "mla absorbed cache=bf16 H=16 q=5",
-             "mla merge 512 x 128 splits", "mla prefill 128+64 / 128", "mla latent write cache=fp8e4nv"}
+             "mla merge 512 x 128 splits", "mla prefill 128+64 / 128", "mla prepare (norm, rope 1) cache=fp8e4nv H=16"}
 
 
 def waits_before_writing(ptx: str) -> bool:

@@ -8,16 +8,20 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_cases import on_cpu, on_gpu, paged_batch
+from mla_cases import SCALED_YARN
+from transformers import DeepseekV3Config
 
-from tokenmill.kernels.latent_cache import write_latent_cache
+from tokenmill.kernels.latent_cache import prepare_latents, write_latent_cache
 from tokenmill.kernels.mla_decode import MAX_SPLITS, absorbed_attention, plan_absorbed
 from tokenmill.kernels.mla_prefill import upprojected_attention
 from tokenmill.layers.attention.mla_ref import (
     absorbed_attention_ref,
+    prepare_latents_ref,
     quantize_latent_ref,
     upprojected_attention_ref,
     write_latent_cache_ref,
 )
+from tokenmill.layers.attention.mla_rotary import MLARotary
 
 FP8 = torch.float8_e4m3fn
 TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 2.5e-2}
@@ -185,3 +189,56 @@ def test_upprojected_prefill_matches_reference(requests, dims, dtype, device) ->
                                 kv_starts, md.seq_lens, scale)
     assert out.shape == (num_tokens, heads, vdim) and out.dtype == dtype
     assert (out.float() - expected).abs().max().item() < TOLERANCE[dtype]
+
+
+# Relative size of one unit in the last place of each dtype: the fused kernel's norm sums in
+# another order and its cos / sin are the device's, so a value may round one ulp apart (of the
+# rotated pair's inputs, which are O(1) here, when the rotation cancels).
+ULP = {torch.float32: 2.0**-22, torch.bfloat16: 2.0**-7, FP8: 2.0**-3}
+
+
+@pytest.mark.parametrize(
+    "rope,dims,dtype,cache_dtype,device",
+    [
+        on_cpu("interleaved", (4, 16, 32, 8), torch.float32, torch.float32, id="interleaved-f32"),
+        on_cpu("neox", (3, 16, 32, 8), torch.bfloat16, torch.bfloat16, id="neox-bf16"),
+        on_cpu(None, (4, 16, 32, 8), torch.bfloat16, FP8, id="nope-fp8"),
+        on_cpu("interleaved", (4, 16, 32, 8), torch.bfloat16, FP8, id="interleaved-fp8"),
+        on_gpu("interleaved", (16, 128, 512, 64), torch.bfloat16, torch.bfloat16, id="v2lite-bf16"),
+        on_gpu("interleaved", (128, 128, 512, 64), torch.bfloat16, FP8, id="v3-fp8"),
+        on_gpu(None, (32, 128, 512, 64), torch.bfloat16, FP8, id="kimi-fp8"),
+    ],
+)
+def test_fused_prepare_matches_reference(rope, dims, dtype, cache_dtype, device) -> None:
+    """Norm + rotation of q_pe (in place) and k_pe + cache write in one kernel, against the
+    PyTorch composition; far positions (YaRN-scaled frequencies, attention factor != 1)."""
+    heads, nope, latent_dim, rope_dim = dims
+    config = DeepseekV3Config(hidden_size=64, num_attention_heads=heads, qk_rope_head_dim=rope_dim,
+                              max_position_embeddings=163840,
+                              rope_parameters=dict(SCALED_YARN, original_max_position_embeddings=4096))
+    rotary = MLARotary(config, rope_dim, rope).to(device) if rope else None
+    torch.manual_seed(0)
+    num_tokens, num_blocks, block_size = 29, 12, 4
+    positions = torch.randint(0, 160000, (num_tokens,), device=device)
+    q = torch.randn(num_tokens, heads * (nope + rope_dim), device=device).to(dtype).view(num_tokens, heads, -1)
+    compressed = (torch.randn(num_tokens, latent_dim + rope_dim, device=device) * 2).to(dtype)
+    weight = (1 + 0.3 * torch.randn(latent_dim, device=device)).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, device=device)[:num_tokens]
+    slots[[0, 7]] = -1
+    scale = 0.02 if cache_dtype == FP8 else 1.0
+    cache = random_cache(num_blocks, block_size, latent_dim + rope_dim, cache_dtype, scale, device)
+    expected_cache, expected_q, q_in = cache.clone(), q.clone(), q.clone()
+    prepare_latents_ref(positions, expected_q, compressed, weight, 1e-6, rotary, expected_cache, slots, scale)
+    prepare_latents(positions, q, compressed, weight, 1e-6, None if rotary is None else rotary.inv_freq,
+                    rotary.attention_factor if rotary else 1.0, rope == "interleaved", cache, slots, scale)
+    assert torch.allclose(q.float(), expected_q.float(), rtol=ULP[dtype], atol=4 * ULP[dtype])
+    if rope is None:
+        assert torch.equal(q, expected_q)
+    deq, expected_deq = (c.float() * (scale if cache_dtype == FP8 else 1.0) for c in (cache, expected_cache))
+    assert torch.allclose(deq, expected_deq, rtol=ULP[cache_dtype], atol=4 * ULP[cache_dtype])
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=device)
+    untouched[slots[slots >= 0]] = False
+    assert torch.equal(cache.view(-1, cache.shape[-1])[untouched].view(torch.uint8),
+                       expected_cache.view(-1, cache.shape[-1])[untouched].view(torch.uint8))
+    if rope is not None:  # the rotation happened (the reference's q differs from the input's)
+        assert (expected_q.float() - q_in.float()).abs().max() > 0.5

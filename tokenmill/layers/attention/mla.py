@@ -17,7 +17,7 @@ Rotary embedding of the rope_dim part (`rope=`, chosen by the model's own file):
 - "neox": the rotate-half layout (V3 with rope_interleave false).
 - None: NoPE (Kimi-Linear). q's last rope_dim columns and k_pe still enter the scores, unrotated,
   so the cache keeps the k_pe slice: the row is kv_lora_rank + rope_dim wide here too.
-Rotation runs in float32 and rounds to the model dtype once. YaRN: the cos/sin scale
+Rotation runs in float32 and rounds to the model dtype once (tokenmill.layers.attention.mla_rotary). YaRN: the cos/sin scale
 (attention_factor) comes from transformers' rope init; with mscale_all_dim the softmax scale is
 qk_head_dim^-0.5 * mscale(factor, mscale_all_dim)^2, as transformers' yarn_apply_mscale (NoPE: none).
 
@@ -30,15 +30,16 @@ Two ways to attend, chosen per request by `takes_absorbed_path` (the only place)
   head k_nope and v, and an ordinary causal kernel attends with head sizes nope + rope and v.
   Compute-bound: the absorbed form would do kv_lora_rank / qk_nope_head_dim times the QK work
   per (query, key) pair. benchmarks/mla_bench.py times both on a 2048-token prefill.
-Both paths read the step's own tokens back from the cache (written first), so a token attends
-to the same (FP8-rounded) keys whether its context arrived in this chunk or an earlier one.
+Before either, the backend's `prepare` normalises the latent, rotates q_pe (in place) and k_pe and
+writes the cache (one fused kernel on the triton backend). Both paths read the step's own tokens
+back from the cache, so a token attends to the same (FP8-rounded) keys whether its context
+arrived in this chunk or an earlier one.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import nn
@@ -47,12 +48,11 @@ from transformers import PretrainedConfig
 from tokenmill.errors import ConfigError
 from tokenmill.layers.attention.backend import AttentionMetadata
 from tokenmill.layers.attention.mla_backends import MLABackend, TorchMLABackend
-from tokenmill.layers.attention.mla_ref import gather_context
+from tokenmill.layers.attention.mla_ref import gather_context, rms_norm_ref
+from tokenmill.layers.attention.mla_rotary import MLARotary, RopeStyle
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.rotary import rope_inv_freq
 
-RopeStyle = Literal["interleaved", "neox"]
 ABSORBED_MAX_QUERY_LEN = 17
 """Longest query run (per request and step) that takes the absorbed kernel: one token plus up
 to 16 draft tokens to verify. Longer runs are prefill chunks and are up-projected."""
@@ -101,36 +101,6 @@ def mla_softmax_scale(config: PretrainedConfig, qk_head_dim: int, rotary: bool) 
             mscale = 0.1 * params["mscale_all_dim"] * math.log(factor) + 1.0
             scale *= mscale * mscale
     return scale
-
-
-class MLARotary(nn.Module):
-    """Rotates q_pe [T, H, rope_dim] and k_pe [T, rope_dim]; cos and sin are computed from the
-    positions each call (rope_dim / 2 frequencies), as transformers computes them."""
-
-    def __init__(self, config: PretrainedConfig, rope_dim: int, style: RopeStyle) -> None:
-        super().__init__()
-        if style not in ("interleaved", "neox"):
-            raise ConfigError(f"MLA rope style {style!r} is not one of 'interleaved', 'neox'")
-        params = getattr(config, "rope_parameters", None) or {}
-        if params.get("rope_type", "default") != "default" and getattr(config, "head_dim", rope_dim) != rope_dim:
-            raise ConfigError(f"the config's head_dim ({config.head_dim}) must be qk_rope_head_dim ({rope_dim}) for "
-                              "its scaled rope")
-        inv_freq, self.attention_factor = rope_inv_freq(config, rope_dim)
-        self.interleaved = style == "interleaved"
-        self.register_buffer("inv_freq", inv_freq.to(torch.empty(0).device), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        cos, sin = freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
-        return self._rotate(q_pe, cos[:, None], sin[:, None]), self._rotate(k_pe, cos, sin)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        if self.interleaved:
-            x1, x2 = h[..., 0::2], h[..., 1::2]
-        else:
-            x1, x2 = h.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 def select_requests(metadata: AttentionMetadata, requests: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
@@ -187,23 +157,33 @@ class MLAAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, metadata: AttentionMetadata,
                 latent_cache: torch.Tensor) -> torch.Tensor:
-        q_nope, q_pe, latent, k_pe = self.project(positions, x)
-        self.backend.write(latent, k_pe, latent_cache, metadata.slot_mapping, self.cache_scale)
+        d = self.dims
+        q, compressed = self.projections(x)
+        self.backend.prepare(positions, q, compressed, self.kv_a_layernorm, self.rotary, latent_cache,
+                             metadata.slot_mapping, self.cache_scale)
+        q_nope, q_pe = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], -1)
         out = self.attend(q_nope, q_pe, latent_cache, metadata)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
-    def project(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(q_nope [T, H, nope], rotated q_pe [T, H, rope], latent [T, kv_lora_rank], rotated k_pe [T, rope])."""
+    def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [T, H, nope + rope], kv_a_proj_with_mqa's output [T, kv_lora_rank + rope]), before norm and rope."""
         d = self.dims
         if d.q_lora_rank is None:
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_pe = q.view(x.shape[0], d.num_heads, d.qk_head_dim).split([d.qk_nope_head_dim, d.qk_rope_head_dim], -1)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([d.kv_lora_rank, d.qk_rope_head_dim], -1)
-        latent = self.kv_a_layernorm(latent)
+        return q.view(x.shape[0], d.num_heads, d.qk_head_dim), self.kv_a_proj_with_mqa(x)
+
+    def project(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(q_nope [T, H, nope], rotated q_pe [T, H, rope], latent [T, kv_lora_rank], rotated k_pe
+        [T, rope]) in plain PyTorch, writing nothing: what `prepare` computes, for inspection."""
+        d = self.dims
+        q, compressed = self.projections(x)
+        q_nope, q_pe = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], -1)
+        latent, k_pe = compressed.split([d.kv_lora_rank, d.qk_rope_head_dim], -1)
+        latent = rms_norm_ref(latent, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
         if self.rotary is not None:
-            q_pe, k_pe = self.rotary(positions, q_pe, k_pe)
+            q_pe, k_pe = self.rotary(positions, q_pe), self.rotary(positions, k_pe)
         return q_nope, q_pe, latent, k_pe
 
     def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,

@@ -15,7 +15,9 @@ import torch
 from tokenmill.errors import ConfigError
 from tokenmill.layers.attention import mla_ref
 from tokenmill.layers.attention.backend import AttentionMetadata
+from tokenmill.layers.attention.mla_rotary import MLARotary
 from tokenmill.layers.attention.torch_ref import FP8
+from tokenmill.layers.norm import RMSNorm
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -33,9 +35,10 @@ class MLABackend(ABC):
                               "(--kv-cache-dtype fp8)")
 
     @abstractmethod
-    def write(self, latent: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
-              cache_scale: float) -> None:
-        """Store this step's latents ([T, kv_lora_rank]) and rotated k_pe ([T, rope]) in their slots."""
+    def prepare(self, positions: torch.Tensor, q: torch.Tensor, compressed: torch.Tensor, norm: RMSNorm,
+                rotary: MLARotary | None, cache: torch.Tensor, slot_mapping: torch.Tensor, cache_scale: float) -> None:
+        """Normalise the latent of `compressed` ([T, kv_lora_rank + rope]), rotate its k_pe and q's
+        rope part ([T, H, nope + rope], in place), and cache latent || k_pe (mla_ref.prepare_latents_ref)."""
 
     @abstractmethod
     def absorbed(self, q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, metadata: AttentionMetadata,
@@ -52,8 +55,8 @@ class MLABackend(ABC):
 class TorchMLABackend(MLABackend):
     name = "torch"
 
-    def write(self, latent, k_pe, cache, slot_mapping, cache_scale):
-        mla_ref.write_latent_cache_ref(latent, k_pe, cache, slot_mapping, cache_scale)
+    def prepare(self, positions, q, compressed, norm, rotary, cache, slot_mapping, cache_scale):
+        mla_ref.prepare_latents_ref(positions, q, compressed, norm.weight, norm.eps, rotary, cache, slot_mapping, cache_scale)
 
     def absorbed(self, q_latent, q_pe, cache, metadata, softmax_scale, cache_scale, out):
         ref = mla_ref.absorbed_attention_ref(q_latent, q_pe, cache, metadata, softmax_scale, cache_scale)
@@ -79,8 +82,12 @@ class TritonMLABackend(MLABackend):
             raise ConfigError(f"--attention-backend triton needs triton ({exc}); pip install triton") from exc
         self.overrides = dict(num_splits=num_splits, block_h=block_h, block_q=block_q)
 
-    def write(self, latent, k_pe, cache, slot_mapping, cache_scale):
-        self._cache.write_latent_cache(latent, k_pe, cache, slot_mapping, cache_scale)
+    def prepare(self, positions, q, compressed, norm, rotary, cache, slot_mapping, cache_scale):
+        self._cache.prepare_latents(
+            positions, q, compressed, norm.weight, norm.eps, None if rotary is None else rotary.inv_freq,
+            1.0 if rotary is None else rotary.attention_factor, rotary is not None and rotary.interleaved,
+            cache, slot_mapping, cache_scale,
+        )
 
     def plan(self, metadata: AttentionMetadata, num_tokens: int, num_heads: int, device: torch.device, fp8_cache: bool):
         """The absorbed launch plan for this batch, from host-side sizes only."""

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.layers.attention.backend import AttentionMetadata
+from tokenmill.layers.attention.mla_rotary import MLARotary
 from tokenmill.layers.attention.torch_ref import FP8, FP8_MAX
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
@@ -49,6 +50,33 @@ def write_latent_cache_ref(
     else:
         row = row.to(cache.dtype)
     _as_int(cache).view(-1, cache.shape[-1]).index_copy_(0, slot_mapping[keep], _as_int(row))
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As transformers' RMSNorm: the norm in float32, rounded to x's dtype, then the weight product."""
+    h = x.float()
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def prepare_latents_ref(
+    positions: torch.Tensor,  # [T]
+    q: torch.Tensor,  # [T, H, nope + rope]: the rope part is rotated in place
+    compressed: torch.Tensor,  # [T, kv_lora_rank + rope]: kv_a_proj_with_mqa's output
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    rotary: MLARotary | None,  # None: NoPE
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scale: float = 1.0,
+) -> None:
+    """What comes before attention: normalise the latent, rotate k_pe and q_pe, cache latent || k_pe."""
+    latent_dim = norm_weight.shape[0]
+    rope_dim = compressed.shape[1] - latent_dim
+    latent, k_pe = rms_norm_ref(compressed[:, :latent_dim], norm_weight, norm_eps), compressed[:, latent_dim:]
+    if rotary is not None:
+        q[..., q.shape[-1] - rope_dim :] = rotary(positions, q[..., q.shape[-1] - rope_dim :])
+        k_pe = rotary(positions, k_pe)
+    write_latent_cache_ref(latent, k_pe, cache, slot_mapping, scale)
 
 
 def context_positions(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
