@@ -10,9 +10,10 @@ reference at these shapes. Then:
   FP8 latent cache: GB/s counts the latent bytes read, its ratio is to the device-to-device copy
   rate (bytes read + written) measured here (target >= 80% at 32k);
 - verification: 1 + 4 query tokens per request against a one-token decode at batch 1 (target <= 1.15x);
-- prefill of 2048 tokens (cold, and after 8k of context) through the layer's absorbed path and its
-  up-projected path (kv_b_proj + the prefill kernel), to check the path rule; TFLOP/s counts the
-  attention's own QK and PV work, the ratio is to a bf16 8192^3 matmul;
+- prefill chunks through the layer's absorbed path and its up-projected path (gather, kv_b_proj
+  and the prefill kernel): 2048 tokens cold and after 8k of context, and 64 / 256 tokens after 8k,
+  where the rule (absorbed up to ABSORBED_MAX_QUERY_LEN query tokens) is checked; TFLOP/s counts
+  the attention's own QK and PV work, the ratio is to a bf16 8192^3 matmul;
 - the sweep times other tile shapes and split counts on the decode and verification cases.
 Every GPU time is a CUDA-graph replay after an L2 flush, median of the repeats.
 """
@@ -65,7 +66,8 @@ class Setup:
     batches: tuple[int, ...]
     contexts: tuple[int, ...]
     prefill: int
-    depth: int  # context before the second prefill case
+    depth: int  # context before the later prefill cases
+    chunks: tuple[int, ...]  # shorter prefill chunks after `depth` of context: where the paths cross
     big: int  # side of the matmul ceiling
     repeats: int
 
@@ -74,8 +76,8 @@ class Setup:
         return self.latent + self.rope
 
 
-FULL = Setup("cuda", 16, 512, 64, 128, 128, 2048, 64, (1, 16), (4096, 32768), 2048, 8192, 8192, 30)
-SMOKE = Setup("cpu", 4, 32, 8, 16, 16, 64, 4, (1, 3), (24, 40), 24, 16, 128, 1)
+FULL = Setup("cuda", 16, 512, 64, 128, 128, 2048, 64, (1, 16), (4096, 32768), 2048, 8192, (64, 256), 8192, 30)
+SMOKE = Setup("cpu", 4, 32, 8, 16, 16, 64, 4, (1, 3), (24, 40), 24, 16, (6, 12), 128, 1)
 
 
 def timer(s: Setup) -> Callable[[Callable[[], object]], float]:
@@ -238,26 +240,26 @@ class Bench:
                                   qk_rope_head_dim=s.rope, v_head_dim=s.vdim, num_hidden_layers=1)
         with torch.device(s.device):
             layer = MLAAttention(config, "interleaved", TritonMLABackend()).to(torch.bfloat16)
-        for depth in (0, s.depth):
-            qlens, slens = [s.prefill], [s.prefill + depth]
+        cache = self.caches[torch.bfloat16].clone()
+        for chunk, depth in [(s.prefill, 0), (s.prefill, s.depth)] + [(n, s.depth) for n in s.chunks]:
+            qlens, slens = [chunk], [chunk + depth]
             md = self.metadata(qlens, slens)
-            x = torch.randn(s.prefill, s.hidden, dtype=torch.bfloat16, device=s.device) * 0.1
-            cache = self.caches[torch.bfloat16].clone()
+            x = torch.randn(chunk, s.hidden, dtype=torch.bfloat16, device=s.device) * 0.1
             q, compressed = layer.projections(x)
-            layer.backend.prepare(torch.arange(depth, depth + s.prefill, device=s.device), q, compressed,
+            layer.backend.prepare(torch.arange(depth, depth + chunk, device=s.device), q, compressed,
                                   layer.kv_a_layernorm, layer.rotary, cache, md.slot_mapping, 1.0)
             q_nope, q_pe = q.split([s.nope, s.rope], -1)
-            pairs = s.prefill * depth + s.prefill * (s.prefill + 1) // 2
+            pairs = chunk * depth + chunk * (chunk + 1) // 2
             results = {}
             for path, attend, flops in (("absorbed", layer.attend_absorbed, 2 * pairs * s.heads * (s.width + s.latent)),
                                         ("up-projected", layer.attend_upprojected,
                                          2 * pairs * s.heads * (s.nope + s.rope + s.vdim))):
                 results[path] = attend(q_nope, q_pe, cache, md)
-                row = record("prefill path", f"{path} {s.prefill} @ d{depth}",
+                row = record("prefill path", f"{path} {chunk} @ d{depth}",
                              self.time(lambda attend=attend: attend(q_nope, q_pe, cache, md)), flops=flops)
                 row["ratio"] = row["TFLOP/s"] / self.matmul_tflops
             err = (results["absorbed"].float() - results["up-projected"].float()).abs().max().item()
-            print(f"prefill d{depth}: the two paths differ by {err:.2e} (max abs)", flush=True)
+            print(f"prefill {chunk} @ d{depth}: the two paths differ by {err:.2e} (max abs)", flush=True)
             assert err < 5e-2, "the absorbed and up-projected paths disagree"
 
     def sweep(self) -> None:

@@ -130,3 +130,4 @@ def test_configurations_that_cannot_run_fail_at_construction() -> None:
     with pytest.raises(ConfigError, match="no 'flash' attention backend"):
         mla_backend("flash")
     assert mla_module.mla_softmax_scale(CASES["kimi-nope"].config, 24, rotary=False) == 24**-0.5
+
