@@ -17,19 +17,24 @@ Rotary embedding of the rope_dim part (`rope=`, chosen by the model's own file):
 - "neox": the rotate-half layout (V3 with rope_interleave false).
 - None: NoPE (Kimi-Linear). q's last rope_dim columns and k_pe still enter the scores, unrotated,
   so the cache keeps the k_pe slice: the row is kv_lora_rank + rope_dim wide here too.
-Rotation runs in float32 and rounds to the model dtype once (tokenmill.layers.attention.mla_rotary). YaRN: the cos/sin scale
-(attention_factor) comes from transformers' rope init; with mscale_all_dim the softmax scale is
-qk_head_dim^-0.5 * mscale(factor, mscale_all_dim)^2, as transformers' yarn_apply_mscale (NoPE: none).
+Rotation runs in float32 and rounds to the model dtype once (mla_rotary). YaRN: the cos/sin
+scale (attention_factor) comes from transformers' rope init; with mscale_all_dim the softmax
+scale is qk_head_dim^-0.5 * mscale(factor, mscale_all_dim)^2, as transformers' yarn_apply_mscale
+does (NoPE: no mscale).
 
 Two ways to attend, chosen per request by `takes_absorbed_path` (the only place):
-- absorbed (query_len <= ABSORBED_MAX_QUERY_LEN, i.e. decode and verification of up to 16
-  drafts): q_nope is folded through W_UK into a kv_lora_rank-wide query, concatenated with q_pe,
-  and one MQA kernel reads the latent cache directly (key = latent || k_pe, value = latent);
-  W_UV and o_proj follow. Bytes-bound at small batch: each latent row is read once.
-- up-projected (longer prefill chunks): the request's cached latents go through kv_b_proj to per
-  head k_nope and v, and an ordinary causal kernel attends with head sizes nope + rope and v.
-  Compute-bound: the absorbed form would do kv_lora_rank / qk_nope_head_dim times the QK work
-  per (query, key) pair. benchmarks/mla_bench.py times both on a 2048-token prefill.
+- absorbed (query_len <= ABSORBED_MAX_QUERY_LEN: decode, and verification of up to 16 drafts):
+  q_nope is folded through W_UK into a kv_lora_rank-wide query beside q_pe, and one MQA kernel
+  reads the latent cache directly (key = latent || k_pe, value = latent); W_UV and o_proj
+  follow. Bytes-bound at small batch: each latent row is read once per query tile.
+- up-projected (longer prefill chunks): the request's cached latents go through kv_b_proj to
+  per-head k_nope and v, and an ordinary causal kernel attends with head sizes nope + rope and v.
+In FLOPs, per (query, key, head) the absorbed form costs 2 (2 L + R) against 2 (N + R + V), and
+the up-projection 2 L (N + V) per (key, head) once a step (L latent, R rope, N nope, V value):
+they cross at a query run of L (N + V) / (2 L - N - V), about 170 for DeepSeek's 512 / 64 / 128 /
+128. The threshold keeps the absorbed kernel to what it is tuned for (few query tokens); whether
+longer chunks should take it too is measured, not assumed: benchmarks/mla_bench.py times both
+paths on 64-, 256- and 2048-token chunks.
 Before either, the backend's `prepare` normalises the latent, rotates q_pe (in place) and k_pe and
 writes the cache (one fused kernel on the triton backend). Both paths read the step's own tokens
 back from the cache, so a token attends to the same (FP8-rounded) keys whether its context
