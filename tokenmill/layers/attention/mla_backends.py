@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from tokenmill.layers.attention.backend import AttentionMetadata
 from tokenmill.layers.attention.mla_rotary import MLARotary
 from tokenmill.layers.attention.torch_ref import FP8
 from tokenmill.layers.norm import RMSNorm
+
+if TYPE_CHECKING:
+    from tokenmill.kernels.mla_decode import AbsorbedPlan
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -55,16 +59,20 @@ class MLABackend(ABC):
 class TorchMLABackend(MLABackend):
     name = "torch"
 
-    def prepare(self, positions, q, compressed, norm, rotary, cache, slot_mapping, cache_scale):
+    def prepare(self, positions: torch.Tensor, q: torch.Tensor, compressed: torch.Tensor, norm: RMSNorm,
+                rotary: MLARotary | None, cache: torch.Tensor, slot_mapping: torch.Tensor, cache_scale: float) -> None:
         mla_ref.prepare_latents_ref(positions, q, compressed, norm.weight, norm.eps, rotary, cache, slot_mapping, cache_scale)
 
-    def absorbed(self, q_latent, q_pe, cache, metadata, softmax_scale, cache_scale, out):
+    def absorbed(self, q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, metadata: AttentionMetadata,
+                 softmax_scale: float, cache_scale: float, out: torch.Tensor) -> torch.Tensor:
         ref = mla_ref.absorbed_attention_ref(q_latent, q_pe, cache, metadata, softmax_scale, cache_scale)
         end = sum(metadata.query_lens_host)  # rows past every request (graph padding) stay as they are
         out[:end] = ref[:end].to(out.dtype)
         return out
 
-    def upprojected(self, q_nope, q_pe, k_nope, k_pe, v, metadata, kv_starts, softmax_scale):
+    def upprojected(self, q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor,
+                    v: torch.Tensor, metadata: AttentionMetadata, kv_starts: torch.Tensor,
+                    softmax_scale: float) -> torch.Tensor:
         q = torch.cat((q_nope, q_pe), dim=-1)
         return mla_ref.upprojected_attention_ref(q, k_nope, k_pe, v, metadata, softmax_scale).to(q.dtype)
 
@@ -82,28 +90,33 @@ class TritonMLABackend(MLABackend):
             raise ConfigError(f"--attention-backend triton needs triton ({exc}); pip install triton") from exc
         self.overrides = dict(num_splits=num_splits, block_h=block_h, block_q=block_q)
 
-    def prepare(self, positions, q, compressed, norm, rotary, cache, slot_mapping, cache_scale):
+    def prepare(self, positions: torch.Tensor, q: torch.Tensor, compressed: torch.Tensor, norm: RMSNorm,
+                rotary: MLARotary | None, cache: torch.Tensor, slot_mapping: torch.Tensor, cache_scale: float) -> None:
         self._cache.prepare_latents(
             positions, q, compressed, norm.weight, norm.eps, None if rotary is None else rotary.inv_freq,
             1.0 if rotary is None else rotary.attention_factor, rotary is not None and rotary.interleaved,
             cache, slot_mapping, cache_scale,
         )
 
-    def plan(self, metadata: AttentionMetadata, num_tokens: int, num_heads: int, device: torch.device, fp8_cache: bool):
+    def plan(self, metadata: AttentionMetadata, num_tokens: int, num_heads: int, device: torch.device,
+             fp8_cache: bool) -> AbsorbedPlan:
         """The absorbed launch plan for this batch, from host-side sizes only."""
         return self._decode.plan_absorbed(
             num_tokens=num_tokens, num_requests=metadata.num_requests, max_query_len=metadata.max_query_len,
             max_seq_len=metadata.max_seq_len, num_heads=num_heads, device=device, fp8_cache=fp8_cache, **self.overrides,
         )
 
-    def absorbed(self, q_latent, q_pe, cache, metadata, softmax_scale, cache_scale, out):
+    def absorbed(self, q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, metadata: AttentionMetadata,
+                 softmax_scale: float, cache_scale: float, out: torch.Tensor) -> torch.Tensor:
         plan = self.plan(metadata, q_latent.shape[0], q_latent.shape[1], q_latent.device, cache.dtype == FP8)
         return self._decode.absorbed_attention(
             q_latent, q_pe, cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
             softmax_scale, plan, cache_scale, out=out,
         )
 
-    def upprojected(self, q_nope, q_pe, k_nope, k_pe, v, metadata, kv_starts, softmax_scale):
+    def upprojected(self, q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor,
+                    v: torch.Tensor, metadata: AttentionMetadata, kv_starts: torch.Tensor,
+                    softmax_scale: float) -> torch.Tensor:
         return self._prefill.upprojected_attention(
             q_nope, q_pe, k_nope, k_pe, v, metadata.query_start_loc, kv_starts, metadata.seq_lens, softmax_scale,
         )
