@@ -3,18 +3,17 @@ transformers reference layers with random weights, and a paged-step driver for t
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 from torch import nn
-from transformers import DeepseekV2Config, DeepseekV3Config, KimiLinearConfig
-from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Attention, DeepseekV2RotaryEmbedding
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
-from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAttention
 
 from tokenmill.layers.attention.backend import AttentionMetadata
-from tokenmill.layers.attention.mla import MLAAttention, RopeStyle
+from tokenmill.layers.attention.mla import MLAAttention
 from tokenmill.layers.attention.mla_backends import MLABackend
+from tokenmill.layers.attention.mla_rotary import RopeStyle
 
 SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
              qk_rope_head_dim=8, v_head_dim=12, num_hidden_layers=1)
@@ -32,24 +31,38 @@ class Case:
     rope: RopeStyle | None  # what the model's own file passes to MLAAttention
 
 
-def cases() -> dict[str, Case]:
-    v2 = DeepseekV2Config(**SHAPE, q_lora_rank=None, max_position_embeddings=2560, rope_parameters=V2_LITE_YARN)
-    v3 = DeepseekV3Config(**SHAPE, q_lora_rank=24, max_position_embeddings=2560, rope_parameters=SCALED_YARN,
-                          rope_interleave=True, attention_bias=True)
-    v3_neox = DeepseekV3Config(**SHAPE, q_lora_rank=24, rope_interleave=False)
-    kimi = KimiLinearConfig(**SHAPE, q_lora_rank=None)
-    return {
-        "v2-no-q-lora-yarn": Case("v2", v2, "interleaved"),
-        "v3-q-lora-interleaved-yarn-bias": Case("v3", v3, "interleaved"),
-        "v3-q-lora-neox": Case("v3", v3_neox, "neox"),
-        "kimi-nope": Case("kimi", kimi, None),
-    }
+CASE_NAMES = ["v2-no-q-lora-yarn", "v3-q-lora-interleaved-yarn-bias", "v3-q-lora-neox", "kimi-nope"]
+# transformers' modules per family: imported when a case is built (a transformers without one
+# of them fails that case's tests, not every test of the module).
+FAMILY_MODULES = {"v2": "deepseek_v2", "v3": "deepseek_v3", "kimi": "kimi_linear"}
+ATTENTION_CLASSES = {"v2": "DeepseekV2Attention", "v3": "DeepseekV3Attention", "kimi": "KimiLinearAttention"}
+
+
+def hf_module(family: str, suffix: str = "modeling") -> ModuleType:
+    return importlib.import_module(f"transformers.models.{FAMILY_MODULES[family]}.{suffix}_{FAMILY_MODULES[family]}")
+
+
+def mla_case(name: str) -> Case:
+    if name == "v2-no-q-lora-yarn":
+        config = hf_module("v2", "configuration").DeepseekV2Config(
+            **SHAPE, q_lora_rank=None, max_position_embeddings=2560, rope_parameters=V2_LITE_YARN)
+        return Case("v2", config, "interleaved")
+    if name == "v3-q-lora-interleaved-yarn-bias":
+        config = hf_module("v3", "configuration").DeepseekV3Config(
+            **SHAPE, q_lora_rank=24, max_position_embeddings=2560, rope_parameters=SCALED_YARN, rope_interleave=True,
+            attention_bias=True)
+        return Case("v3", config, "interleaved")
+    if name == "v3-q-lora-neox":
+        return Case("v3", hf_module("v3", "configuration").DeepseekV3Config(**SHAPE, q_lora_rank=24, rope_interleave=False),
+                    "neox")
+    if name == "kimi-nope":
+        return Case("kimi", hf_module("kimi", "configuration").KimiLinearConfig(**SHAPE, q_lora_rank=None), None)
+    raise KeyError(name)
 
 
 def hf_attention(case: Case, seed: int = 0) -> nn.Module:
     case.config._attn_implementation = "eager"
-    cls = {"v2": DeepseekV2Attention, "v3": DeepseekV3Attention, "kimi": KimiLinearAttention}[case.family]
-    module = cls(case.config, layer_idx=0).eval()
+    module = getattr(hf_module(case.family), ATTENTION_CLASSES[case.family])(case.config, layer_idx=0).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
@@ -70,10 +83,10 @@ def hf_forward(case: Case, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     positions = torch.arange(n)[None]
     hidden = x[None]
     if case.family == "v2":
-        rotary = DeepseekV2RotaryEmbedding(case.config)(hidden, positions)
+        rotary = hf_module("v2").DeepseekV2RotaryEmbedding(case.config)(hidden, positions)
         out, _ = module(hidden, attention_mask=mask, position_embeddings=rotary)
     elif case.family == "v3":
-        rotary = DeepseekV3RotaryEmbedding(case.config)(hidden, positions)
+        rotary = hf_module("v3").DeepseekV3RotaryEmbedding(case.config)(hidden, positions)
         out, _ = module(hidden, position_embeddings=rotary, attention_mask=mask)
     else:
         out, _ = module(hidden, attention_mask=mask)

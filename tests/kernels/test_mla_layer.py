@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_cases import on_cpu, on_gpu
-from mla_cases import PagedPool, cases, hf_attention, hf_forward, our_attention, run_schedule
+from mla_cases import PagedPool, hf_attention, hf_forward, mla_case, our_attention, run_schedule
 
 from tokenmill.layers.attention.mla_backends import TritonMLABackend
 from tokenmill.layers.attention.mla_ref import latent_cache_shape
 
-CASES = cases()
 # Request 0: a 5-token chunk (absorbed), a 19-token chunk (up-projected), a decode, a 1 + 4
 # verification; request 1 beside it.
 SCHEDULE = [[(0, 5), (1, 20)], [(0, 19), (1, 1)], [(0, 1), (1, 5)], [(0, 5), (1, 1)]]
@@ -33,7 +32,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     ],
 )
 def test_triton_layer_matches_transformers(name, cache_dtype, tolerance, device) -> None:
-    case = CASES[name]
+    case = mla_case(name)
     hf = hf_attention(case)
     ours = our_attention(case, hf, TritonMLABackend(num_splits=2 if device == "cpu" else None)).to(device)
     ours.cache_scale = 0.02 if cache_dtype == torch.float8_e4m3fn else 1.0

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mla_cases import PagedPool, cases, hf_attention, hf_forward, our_attention, run_schedule
+from mla_cases import CASE_NAMES, PagedPool, hf_attention, hf_forward, mla_case, our_attention, run_schedule
 
 from tokenmill.errors import ConfigError
 from tokenmill.layers.attention import mla as mla_module
@@ -15,7 +15,6 @@ from tokenmill.layers.attention.mla import ABSORBED_MAX_QUERY_LEN, MLAAttention,
 from tokenmill.layers.attention.mla_backends import TorchMLABackend, mla_backend
 from tokenmill.layers.attention.mla_ref import latent_cache_shape, quantize_latent_ref
 
-CASES = cases()
 BLOCK = 4
 # Request A: prefill chunks of 5 (absorbed), 37 and 100 (up-projected), four decodes, then a
 # verification step of 1 + 4 tokens. Request B runs beside it, so most steps mix both paths.
@@ -41,9 +40,9 @@ def sequences(hidden: int, seed: int = 1) -> list[torch.Tensor]:
     return [torch.randn(n, hidden, generator=gen) for n in (A_LEN, B_LEN)]
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", CASE_NAMES)
 def test_whole_sequence_matches_transformers(name: str) -> None:
-    case = CASES[name]
+    case = mla_case(name)
     hf = hf_attention(case)
     ours = our_attention(case, hf)
     x = sequences(case.config.hidden_size)[0]
@@ -54,9 +53,9 @@ def test_whole_sequence_matches_transformers(name: str) -> None:
     assert relative_error(out, hf_forward(case, hf, x)) < 1e-5
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", CASE_NAMES)
 def test_chunked_prefill_decode_and_verify_match_transformers(name: str) -> None:
-    case = CASES[name]
+    case = mla_case(name)
     hf = hf_attention(case)
     ours = our_attention(case, hf)
     xs = sequences(case.config.hidden_size)
@@ -72,7 +71,7 @@ def test_chunked_prefill_decode_and_verify_match_transformers(name: str) -> None
 
 def test_fp8_latent_cache_stays_close_to_transformers() -> None:
     """An FP8 cache with a per-layer scale: quantized on write, the scale folded back on read."""
-    case = CASES["v2-no-q-lora-yarn"]
+    case = mla_case("v2-no-q-lora-yarn")
     hf = hf_attention(case)
     ours = our_attention(case, hf)
     xs = sequences(case.config.hidden_size)
@@ -97,7 +96,7 @@ def test_the_path_rule_decides_per_request(monkeypatch: pytest.MonkeyPatch) -> N
     """Query runs up to 1 + 16 take the absorbed path, longer ones the up-projection; a mixed step splits."""
     assert takes_absorbed_path(1) and takes_absorbed_path(ABSORBED_MAX_QUERY_LEN)
     assert not takes_absorbed_path(ABSORBED_MAX_QUERY_LEN + 1)
-    case = CASES["v3-q-lora-neox"]
+    case = mla_case("v3-q-lora-neox")
     ours = our_attention(case, hf_attention(case))
     calls: list[tuple[str, list[int]]] = []
     for path in ("attend_absorbed", "attend_upprojected"):
@@ -119,15 +118,15 @@ def test_the_path_rule_decides_per_request(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_configurations_that_cannot_run_fail_at_construction() -> None:
-    case = CASES["kimi-nope"]
+    case = mla_case("kimi-nope")
     config = type(case.config)(**{**case.config.to_dict(), "num_key_value_heads": 2})
     with pytest.raises(ConfigError, match="num_key_value_heads"):
         MLAAttention(config, None)
     with pytest.raises(ConfigError, match="rope style"):
-        MLAAttention(CASES["v3-q-lora-neox"].config, "halves")
+        MLAAttention(mla_case("v3-q-lora-neox").config, "halves")
     with pytest.raises(ConfigError, match="latent cache dtype"):
         TorchMLABackend.check_supported(torch.bfloat16, torch.float16)
     with pytest.raises(ConfigError, match="no 'flash' attention backend"):
         mla_backend("flash")
-    assert mla_module.mla_softmax_scale(CASES["kimi-nope"].config, 24, rotary=False) == 24**-0.5
+    assert mla_module.mla_softmax_scale(mla_case("kimi-nope").config, 24, rotary=False) == 24**-0.5
 
