@@ -163,7 +163,7 @@ def mla_variants():
     for cache, heads, rotate in (("bf16", 0, 0), ("fp8e4nv", 16, 1), ("fp8e4nv", 128, 2)):
         label = f"mla latent write cache={cache}" if not heads else f"mla prepare (norm, rope {rotate}) cache={cache} H={heads}"
         yield (label, _write_latent_kernel, dict(write_types, cache_ptr=f"*{cache}"),
-               dict(LATENT=512, ROPE=64, LATENT_P=512, HALF_P=32, HEADS_P=max(1, heads), Q_PE=128, NORM=heads > 0,
+               dict(LATENT=512, HALF=32, LATENT_P=512, HALF_P=32, HEADS_P=max(1, heads), Q_PE=128, NORM=heads > 0,
                     ROTATE=rotate, PAGE=64, QUANT=cache != "bf16", EMULATE_ROUNDING=False), 4, 1)
 
 

@@ -33,14 +33,13 @@ def _write_latent_kernel(
     latent_ptr, pe_ptr, cache_ptr, slot_ptr, scale,
     q_ptr, pos_ptr, inv_freq_ptr, norm_w_ptr, eps, attention_factor, num_heads,
     stride_lt, stride_pt, stride_qt, stride_qh, stride_cb, stride_ct,
-    LATENT: tl.constexpr, ROPE: tl.constexpr, LATENT_P: tl.constexpr, HALF_P: tl.constexpr, HEADS_P: tl.constexpr,
+    LATENT: tl.constexpr, HALF: tl.constexpr, LATENT_P: tl.constexpr, HALF_P: tl.constexpr, HEADS_P: tl.constexpr,
     Q_PE: tl.constexpr, NORM: tl.constexpr, ROTATE: tl.constexpr,
     PAGE: tl.constexpr, QUANT: tl.constexpr, EMULATE_ROUNDING: tl.constexpr,
 ):
     tok = tl.program_id(0)
     slot = tl.load(slot_ptr + tok)
     dtype = latent_ptr.dtype.element_ty
-    HALF: tl.constexpr = ROPE // 2
     offs_h = tl.arange(0, HALF_P)
     h_ok = offs_h < HALF
     first, second = _pair_offsets(offs_h, HALF, ROTATE)
@@ -98,7 +97,7 @@ def _launch(latent: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_
         norm_weight if norm_weight is not None else latent, eps, attention_factor, q.shape[1] if q is not None else 0,
         latent.stride(0), k_pe.stride(0), q_arg.stride(0), q_arg.stride(1) if q is not None else 0,
         cache.stride(0), cache.stride(1),
-        LATENT=latent_dim, ROPE=rope_dim, LATENT_P=next_pow2(latent_dim), HALF_P=next_pow2(rope_dim // 2),
+        LATENT=latent_dim, HALF=rope_dim // 2, LATENT_P=next_pow2(latent_dim), HALF_P=next_pow2(rope_dim // 2),
         HEADS_P=next_pow2(q.shape[1]) if q is not None else 1, Q_PE=q.shape[2] - rope_dim if q is not None else 0,
         NORM=norm_weight is not None, ROTATE=rotate,
         PAGE=cache.shape[1], QUANT=quant, EMULATE_ROUNDING=quant and interpreting(),
