@@ -51,7 +51,7 @@ def _write_latent_kernel(
         s = tl.sin(angle) * attention_factor
         heads = tl.arange(0, HEADS_P)[:, None]
         q_ok = (heads < num_heads) & h_ok[None, :]
-        q_row = q_ptr + tok * stride_qt + heads * stride_qh + Q_PE
+        q_row = q_ptr + tok.to(tl.int64) * stride_qt + heads * stride_qh + Q_PE
         q1 = tl.load(q_row + first[None, :], mask=q_ok, other=0.0).to(tl.float32)
         q2 = tl.load(q_row + second[None, :], mask=q_ok, other=0.0).to(tl.float32)
         tl.store(q_row + offs_h[None, :], (q1 * c[None, :] - q2 * s[None, :]).to(dtype), mask=q_ok)

@@ -125,10 +125,12 @@ def _mla_absorbed_kernel(
 
     offs_l = tl.arange(0, LATENT_P)
     offs_r = tl.arange(0, ROPE_P)
-    q_rows = (q_start + tok)[:, None]
-    q_lat = tl.load(q_lat_ptr + q_rows * stride_qlt + head[:, None] * stride_qlh + offs_l[None, :],
+    # Head-major views ([H, T, kv_lora_rank] storage) put heads 2**31 elements apart at long T.
+    q_rows = (q_start + tok).to(tl.int64)[:, None]
+    heads = head.to(tl.int64)[:, None]
+    q_lat = tl.load(q_lat_ptr + q_rows * stride_qlt + heads * stride_qlh + offs_l[None, :],
                     mask=row_ok[:, None] & (offs_l[None, :] < LATENT), other=0.0)
-    q_pe = tl.load(q_pe_ptr + q_rows * stride_qpt + head[:, None] * stride_qph + offs_r[None, :],
+    q_pe = tl.load(q_pe_ptr + q_rows * stride_qpt + heads * stride_qph + offs_r[None, :],
                    mask=row_ok[:, None] & (offs_r[None, :] < ROPE), other=0.0)
     if F16_DOT:
         # An FP8 cache widens to fp16 in one instruction per pair (to bf16 it takes three); q is
@@ -158,9 +160,9 @@ def _mla_absorbed_kernel(
     if SPLIT:
         lse = tl.where(seen, m_i + tl.math.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
-        tl.store(part_out_ptr + part[:, None] * LATENT + offs_l[None, :], out, mask=store_mask)
+        tl.store(part_out_ptr + part.to(tl.int64)[:, None] * LATENT + offs_l[None, :], out, mask=store_mask)
     else:
-        o_ptrs = out_ptr + q_rows * stride_ot + head[:, None] * stride_oh + offs_l[None, :]
+        o_ptrs = out_ptr + q_rows * stride_ot + heads * stride_oh + offs_l[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
@@ -185,7 +187,7 @@ def _merge_kernel(
     denom = tl.sum(w, 0)
     # An empty split wrote only its -inf lse; its partial output is never read.
     mask = (s_ok & (lse > float("-inf")))[:, None] & (offs_d[None, :] < LATENT)
-    parts = tl.load(part_out_ptr + (base + offs_s)[:, None] * LATENT + offs_d[None, :], mask=mask, other=0.0)
+    parts = tl.load(part_out_ptr + (base + offs_s).to(tl.int64)[:, None] * LATENT + offs_d[None, :], mask=mask, other=0.0)
     out = tl.sum(parts * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < LATENT)
+    tl.store(out_ptr + tok.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < LATENT)

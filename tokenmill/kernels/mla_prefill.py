@@ -35,11 +35,12 @@ def _context_tiles(
     for t in range(t_lo, t_hi):
         offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_end
-        k_nope = tl.load(kn_base + offs_n[:, None] * stride_knt + offs_kn[None, :],
+        rows = offs_n.to(tl.int64)[:, None]  # a long context's row offsets pass 2**31 elements
+        k_nope = tl.load(kn_base + rows * stride_knt + offs_kn[None, :],
                          mask=n_ok[:, None] & (offs_kn[None, :] < NOPE), other=0.0)
-        k_pe = tl.load(kp_base + offs_n[:, None] * stride_kpt + offs_kp[None, :],
+        k_pe = tl.load(kp_base + rows * stride_kpt + offs_kp[None, :],
                        mask=n_ok[:, None] & (offs_kp[None, :] < ROPE), other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_v[None, :],
+        v = tl.load(v_base + rows * stride_vt + offs_v[None, :],
                     mask=n_ok[:, None] & (offs_v[None, :] < VDIM), other=0.0)
         s = mm(q_nope, tl.trans(k_nope.to(q_nope.dtype)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST, IEEE)
         s = mm(q_pe, tl.trans(k_pe.to(q_pe.dtype)), s, UPCAST, IEEE)
@@ -83,7 +84,7 @@ def _mla_prefill_kernel(
 
     tok = q_tile_start + tl.arange(0, BLOCK_M)
     row_ok = tok < q_len
-    q_rows = (q_start + tok)[:, None]
+    q_rows = (q_start + tok).to(tl.int64)[:, None]
     offs_n = tl.arange(0, NOPE_P)
     offs_r = tl.arange(0, ROPE_P)
     offs_v = tl.arange(0, VDIM_P)
