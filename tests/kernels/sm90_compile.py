@@ -27,6 +27,11 @@ from tokenmill.kernels.attention import plan_attention
 from tokenmill.kernels.few_row_mma import MMA_ROWS, _few_row_mma_kernel, few_row_mma_tile, many_rows_tile
 from tokenmill.kernels.gemv import _gemv_kernel, gemv_tile
 from tokenmill.kernels.kv_cache import _write_kv_kernel
+from tokenmill.kernels.latent_cache import _write_latent_kernel
+from tokenmill.kernels.mla_absorbed import _merge_kernel as _mla_merge_kernel
+from tokenmill.kernels.mla_absorbed import _mla_absorbed_kernel
+from tokenmill.kernels.mla_decode import plan_absorbed
+from tokenmill.kernels.mla_prefill import _mla_prefill_kernel
 from tokenmill.kernels.paged_attention import _merge_kernel, _paged_attention_kernel
 from tokenmill.kernels.rms_norm import _rms_norm_kernel
 from tokenmill.kernels.rotary import LAUNCH as ROTARY_LAUNCH
@@ -130,6 +135,42 @@ def other_variants():
                ROTARY_LAUNCH["num_warps"], 1)
 
 
+def mla_variants():
+    """The absorbed MLA kernel at the plans chosen for DeepSeek-V2-Lite (16 heads) and V3 (128
+    heads), 512 + 64 latent, decode and 1 + 4 verification; the merge, prefill and write kernels."""
+    for heads, cache, max_q in ((16, "bf16", 1), (16, "fp8e4nv", 1), (16, "bf16", 5), (16, "fp8e4nv", 5), (128, "bf16", 1)):
+        plan = plan_absorbed(num_tokens=max_q, num_requests=1, max_query_len=max_q, max_seq_len=32768, num_heads=heads,
+                             device=torch.device("cuda"), fp8_cache=cache != "bf16", num_splits=64)
+        types = {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "q_lat_ptr": "*bf16",
+                 "q_pe_ptr": "*bf16", "cache_ptr": f"*{cache}", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+                 "qsl_ptr": "*i32", "qk_scale": "fp32", "v_scale": "fp32"}
+        consts = dict(LATENT=512, ROPE=64, LATENT_P=512, ROPE_P=64, BLOCK_H=plan.block_h, BLOCK_Q=plan.block_q,
+                      BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, PAGE=64, SPLIT=plan.split,
+                      MIN_SPLIT_TILES=plan.min_split_tiles, UPCAST=False, IEEE=False, F16_DOT=cache != "bf16")
+        yield (f"mla absorbed cache={cache} H={heads} q={max_q}", _mla_absorbed_kernel, types, consts, plan.num_warps,
+               plan.num_stages)
+    yield ("mla merge 512 x 128 splits", _mla_merge_kernel,
+           {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "qsl_ptr": "*i32"},
+           dict(LATENT=512, BLOCK_D=32, SPLITS_P=128), 4, 1)
+    yield ("mla prefill 128+64 / 128", _mla_prefill_kernel,
+           {"out_ptr": "*bf16", "q_nope_ptr": "*bf16", "q_pe_ptr": "*bf16", "k_nope_ptr": "*bf16", "k_pe_ptr": "*bf16",
+            "v_ptr": "*bf16", "qsl_ptr": "*i32", "kv_starts_ptr": "*i64", "seq_lens_ptr": "*i32", "qk_scale": "fp32"},
+           dict(NOPE=128, ROPE=64, VDIM=128, NOPE_P=128, ROPE_P=64, VDIM_P=128, BLOCK_M=64, BLOCK_N=64, UPCAST=False,
+                IEEE=False), 8, 2)
+    write_types = {"latent_ptr": "*bf16", "pe_ptr": "*bf16", "slot_ptr": "*i64", "scale": "fp32", "q_ptr": "*bf16",
+                   "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "norm_w_ptr": "*bf16", "eps": "fp32",
+                   "attention_factor": "fp32"}
+    for cache, heads, rotate in (("bf16", 0, 0), ("fp8e4nv", 16, 1), ("fp8e4nv", 128, 2)):
+        label = f"mla latent write cache={cache}" if not heads else f"mla prepare (norm, rope {rotate}) cache={cache} H={heads}"
+        yield (label, _write_latent_kernel, dict(write_types, cache_ptr=f"*{cache}"),
+               dict(LATENT=512, HALF=32, LATENT_P=512, HALF_P=32, HEADS_P=max(1, heads), Q_PE=128, NORM=heads > 0,
+                    ROTATE=rotate, PAGE=64, QUANT=cache != "bf16", EMULATE_ROUNDING=False), 4, 1)
+
+
+QUICK_MLA = {"mla absorbed cache=bf16 H=16 q=1", "mla absorbed cache=fp8e4nv H=16 q=1", "mla absorbed cache=bf16 H=16 q=5",
+             "mla merge 512 x 128 splits", "mla prefill 128+64 / 128", "mla prepare (norm, rope 1) cache=fp8e4nv H=16"}
+
+
 def waits_before_writing(ptx: str) -> bool:
     """A programmatic dependent's code: one griddepcontrol.wait, and no global store or atomic
     before it (what it may do early is read memory no other kernel writes: its weights)."""
@@ -141,9 +182,10 @@ def waits_before_writing(ptx: str) -> bool:
 
 def main(quick: bool = False) -> int:
     failures = 0
-    variants = list(attention_variants()) + list(other_variants())
-    if quick:  # CI: the Llama-shaped bf16 and fp8 attention plus the small kernels
-        variants = [v for v in variants if "H=32/8" in v[0] and v[0].startswith("attention bf16")] + list(other_variants())
+    variants = list(attention_variants()) + list(other_variants()) + list(mla_variants())
+    if quick:  # CI: the Llama-shaped bf16 and fp8 attention, the small kernels, MLA decode and verification
+        mla = [v for v in mla_variants() if v[0] in QUICK_MLA]
+        variants = [v for v in variants if "H=32/8" in v[0] and v[0].startswith("attention bf16")] + list(other_variants()) + mla
     for label, fn, types, consts, warps, stages in variants:
         try:
             kernel = compile_variant(fn, types, consts, warps, stages)

@@ -38,8 +38,13 @@ def test_tokenmill_imports_without_triton() -> None:
         "from tokenmill.layers.attention.triton_backend import TritonAttentionBackend\n"
         "from tokenmill.errors import ConfigError\n"
         "try:\n    TritonAttentionBackend()\nexcept ConfigError as e:\n    print('refused:', e)\n"
+        "from tokenmill.layers.attention.mla import MLAAttention\n"
+        "from tokenmill.layers.attention.mla_backends import mla_backend\n"
+        "mla_backend('torch')\n"
+        "try:\n    mla_backend('triton')\nexcept ConfigError as e:\n    print('MLA refused:', e)\n"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     result = _run(["-c", code], env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "refused: --attention-backend triton needs triton" in result.stdout
+    assert "MLA refused: --attention-backend triton needs triton" in result.stdout
