@@ -99,7 +99,7 @@ def main() -> None:
     del fp8
     calibrated, fp8 = greedy(args, kv_cache_dtype="fp8", calculate_kv_scales=True)
     calibrated_logprobs = teacher_forced(fp8, baseline)
-    layers = fp8.engine.runner.model.attention_layers()
+    layers = fp8.engine.runner.model.scaled_cache_layers()
     k_scales, v_scales = [a.k_scale for a in layers], [a.v_scale for a in layers]
     report(f"KV {dtype} vs fp8, scales 1.0, on {args.device}", args.tokens, baseline, unscaled)
     report(f"KV {dtype} vs fp8, calibrated scales, on {args.device}", args.tokens, baseline, calibrated)

@@ -66,7 +66,7 @@ NAMINGS: dict[str, Callable[[int], dict[str, torch.Tensor]]] = {
 def test_checkpoint_kv_scales_land_on_each_layer(tmp_path: Path, naming: str) -> None:
     save_tiny_checkpoint("llama", tmp_path)
     add_tensors(tmp_path, {k: v for i in range(NUM_LAYERS) for k, v in NAMINGS[naming](i).items()})
-    layers = load(tmp_path).attention_layers()
+    layers = load(tmp_path).scaled_cache_layers()
     # bfloat16 keeps 8 bits of mantissa; a per-head scale becomes its largest head's.
     tolerance = 1e-2 if naming == "bf16 per-head" else 1e-7
     assert [a.checkpoint_kv_scales[0] for a in layers] == pytest.approx(K_SCALES, rel=tolerance)
@@ -79,13 +79,13 @@ def test_checkpoint_kv_scales_land_on_each_layer(tmp_path: Path, naming: str) ->
 def test_legacy_kv_scale_sets_both(tmp_path: Path) -> None:
     save_tiny_checkpoint("llama", tmp_path)
     add_tensors(tmp_path, {f"{prefix(i)}.kv_scale": scalar(K_SCALES[i]) for i in range(NUM_LAYERS)})
-    layers = load(tmp_path).attention_layers()
+    layers = load(tmp_path).scaled_cache_layers()
     assert [x for a in layers for x in a.checkpoint_kv_scales] == pytest.approx([k for k in K_SCALES for _ in "kv"])
 
 
 def test_checkpoint_without_scales_keeps_one(tmp_path: Path) -> None:
     save_tiny_checkpoint("llama", tmp_path)
-    layers = load(tmp_path).attention_layers()
+    layers = load(tmp_path).scaled_cache_layers()
     assert all(a.k_scale == a.v_scale == 1.0 and a.checkpoint_kv_scales is None for a in layers)
 
 

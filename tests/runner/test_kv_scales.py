@@ -78,10 +78,10 @@ def test_calibrated_scales_fit_e4m3_and_beat_scale_one(tmp_path: Path, caplog: p
         calibrated = fp8_llm(tmp_path)  # the default: calibrate a checkpoint without scales
     assert "calibrated the scales of 2 layers" in caplog.text
     unscaled = fp8_llm(tmp_path, calculate_kv_scales=False)
-    assert all(a.k_scale == a.v_scale == 1.0 for a in unscaled.engine.runner.model.attention_layers())
+    assert all(a.k_scale == a.v_scale == 1.0 for a in unscaled.engine.runner.model.scaled_cache_layers())
 
     runner = calibrated.engine.runner
-    layers = runner.model.attention_layers()
+    layers = runner.model.scaled_cache_layers()
     ids, _ = calibration_token_ids(calibrated.engine.source, runner.vocab_size, 256)
     for layer, (k_cal, v_cal), (k_served, v_served) in zip(
         layers,
@@ -103,7 +103,7 @@ def test_calibration_leaves_nothing_a_request_can_read(tmp_path: Path) -> None:
     save_tiny_checkpoint("llama", tmp_path)
     llm = fp8_llm(tmp_path, calculate_kv_scales=True)
     runner = llm.engine.runner
-    for layer in runner.model.attention_layers():
+    for layer in runner.model.scaled_cache_layers():
         assert layer.k_scale != 1.0 and layer.v_scale != 1.0
         assert layer.backend is runner.backend
         assert layer.kv_cache.dtype == torch.float8_e4m3fn
@@ -111,7 +111,7 @@ def test_calibration_leaves_nothing_a_request_can_read(tmp_path: Path) -> None:
         assert not layer.kv_cache.view(torch.uint8).any()
     assert llm.engine.kv.pool.num_used == 0 and not llm.engine.kv.pool.cached
     # Served output equals a fresh engine's with the same scales given by the checkpoint.
-    layers = runner.model.attention_layers()
+    layers = runner.model.scaled_cache_layers()
     given = tmp_path / "given"
     save_tiny_checkpoint("llama", given)
     with_scales(given, [a.k_scale for a in layers], [a.v_scale for a in layers])
@@ -124,15 +124,15 @@ def test_calibration_leaves_nothing_a_request_can_read(tmp_path: Path) -> None:
 def test_checkpoint_scales_are_used_and_calibration_replaces_them_when_asked(tmp_path: Path) -> None:
     save_tiny_checkpoint("llama", tmp_path)
     with_scales(tmp_path, [0.25, 0.5], [0.125, 0.75])
-    layers = fp8_llm(tmp_path).engine.runner.model.attention_layers()
+    layers = fp8_llm(tmp_path).engine.runner.model.scaled_cache_layers()
     assert [(a.k_scale, a.v_scale) for a in layers] == [(0.25, 0.125), (0.5, 0.75)]
-    layers = fp8_llm(tmp_path, calculate_kv_scales=False).engine.runner.model.attention_layers()
+    layers = fp8_llm(tmp_path, calculate_kv_scales=False).engine.runner.model.scaled_cache_layers()
     assert [(a.k_scale, a.v_scale) for a in layers] == [(0.25, 0.125), (0.5, 0.75)]
 
     plain = tmp_path / "plain"
     save_tiny_checkpoint("llama", plain)
-    recalibrated = fp8_llm(tmp_path, calculate_kv_scales=True).engine.runner.model.attention_layers()
-    calibrated = fp8_llm(plain).engine.runner.model.attention_layers()
+    recalibrated = fp8_llm(tmp_path, calculate_kv_scales=True).engine.runner.model.scaled_cache_layers()
+    calibrated = fp8_llm(plain).engine.runner.model.scaled_cache_layers()
     # The checkpoint's scales take no part in the calibration forward.
     assert [(a.k_scale, a.v_scale) for a in recalibrated] == [(a.k_scale, a.v_scale) for a in calibrated]
 
@@ -144,7 +144,7 @@ def test_model_dtype_cache_ignores_checkpoint_scales(tmp_path: Path) -> None:
     save_tiny_checkpoint("llama", scaled)
     with_scales(scaled, [0.01, 0.02], [0.03, 0.04])
     llm = LLM(str(scaled), device="cpu", dtype="float32", kv_cache_bytes=BUDGET)
-    assert all(a.k_scale == a.v_scale == 1.0 for a in llm.engine.runner.model.attention_layers())
+    assert all(a.k_scale == a.v_scale == 1.0 for a in llm.engine.runner.model.scaled_cache_layers())
     ours, tokens = logits_and_tokens(llm)
     theirs, their_tokens = logits_and_tokens(LLM(str(plain), device="cpu", dtype="float32", kv_cache_bytes=BUDGET))
     assert tokens == their_tokens
@@ -177,10 +177,10 @@ def test_calculate_kv_scales_flag(command: list[str], flags: list[str], expected
 def test_calibration_forward_restores_layers_on_error(tmp_path: Path) -> None:
     save_tiny_checkpoint("llama", tmp_path)
     runner = fp8_llm(tmp_path).engine.runner
-    caches = [a.kv_cache for a in runner.model.attention_layers()]
+    caches = [a.kv_cache for a in runner.model.scaled_cache_layers()]
     with pytest.raises(IndexError):
         measure_kv_amax(runner.model, [10**6], runner.block_size, runner.dtype, runner.device)  # not a token
-    for layer, cache in zip(runner.model.attention_layers(), caches):
+    for layer, cache in zip(runner.model.scaled_cache_layers(), caches):
         assert layer.kv_cache is cache and isinstance(layer.backend, TorchReferenceBackend)
 
 

@@ -30,7 +30,7 @@ def forward(llm: LLM, ids: torch.Tensor, positions: torch.Tensor, metadata: Atte
 
 def test_real_rows_and_cache_equal_the_unpadded_step(llm: LLM) -> None:
     runner = llm.engine.runner
-    caches = [layer.kv_cache for layer in runner.model.attention_layers()]
+    caches = [layer.kv_cache for layer in runner.model.scaled_cache_layers()]
     torch.manual_seed(0)
     prompts = {name: torch.randint(0, 200, (n,)).tolist() for name, n in (("a", 9), ("b", 6), ("c", 17))}
     with torch.inference_mode():

@@ -38,6 +38,11 @@ class PagedCacheSpec(CacheSpec):
     def allocate(self, num_blocks: int, device: torch.device | str) -> torch.Tensor:
         return torch.zeros(self.shape(num_blocks), dtype=self.dtype, device=device)
 
+    @abstractmethod
+    def scaled_parts(self, cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The views of a cache tensor that an FP8 cache scales separately, in the order of the
+        layer's `kv_scales`."""
+
 
 @dataclass(frozen=True)
 class FullAttentionSpec(PagedCacheSpec):
@@ -49,16 +54,22 @@ class FullAttentionSpec(PagedCacheSpec):
     def shape(self, num_blocks: int) -> tuple[int, ...]:
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
+    def scaled_parts(self, cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return cache[0], cache[1]  # keys (k_scale), values (v_scale)
+
 
 @dataclass(frozen=True)
 class LatentAttentionSpec(PagedCacheSpec):
     """One latent vector per token (MLA: the compressed KV and the rotary key part):
-    [num_blocks, block_size, latent_dim]."""
+    [num_blocks, block_size, latent_dim], one FP8 scale for the whole row."""
 
     latent_dim: int
 
     def shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.block_size, self.latent_dim)
+
+    def scaled_parts(self, cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (cache,)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from tokenmill.kv.specs import CacheLayer, CacheSpec
 from tokenmill.layers.attention import AttentionBackend
 from tokenmill.layers.step_context import RequestInputSpec, StepContext
 from tokenmill.quantization import LinearMethod, QuantizationConfig, Unquantized
+from tokenmill.quantization.kv_scales import ScaledCacheLayer
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,8 @@ class CausalLM(nn.Module, ABC):
         """Every module that keeps a cache, by module path, in forward order."""
         return {name: m for name, m in self.named_modules() if name and isinstance(m, CacheLayer)}
 
-    def attention_layers(self) -> list[nn.Module]:
-        """The cache layers whose cache may be FP8 with per-layer scales (k_scale, v_scale)."""
+    def scaled_cache_layers(self) -> list[ScaledCacheLayer]:
+        """The cache layers whose cache may be FP8 with per-layer scales (`ScaledCacheLayer`)."""
         return [m for m in self.cache_layers().values() if hasattr(m, "checkpoint_kv_scales")]  # type: ignore[misc]
 
     def cache_specs(self) -> dict[str, CacheSpec]:

@@ -6,7 +6,7 @@ which load by shard (`PACKED`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +22,7 @@ from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.layers.step_context import StepContext
 from tokenmill.models.interface import CausalLM, ModelBuild
 from tokenmill.models.weights import load_checkpoint
+from tokenmill.quantization.kv_scales import key_value_scales
 
 # checkpoint projection -> (fused module, shard)
 PACKED = {
@@ -76,6 +77,17 @@ class Attention(nn.Module):
         self.k_scale = self.v_scale = 1.0  # FP8 KV scales (stored value = k / k_scale)
         # (k_scale, v_scale) as the checkpoint gives them; the runner applies them to an FP8 cache only.
         self.checkpoint_kv_scales: tuple[float, float] | None = None
+
+    @property
+    def kv_scales(self) -> tuple[float, float]:
+        return self.k_scale, self.v_scale
+
+    @kv_scales.setter
+    def kv_scales(self, scales: tuple[float, ...]) -> None:
+        self.k_scale, self.v_scale = scales
+
+    def scales_from_checkpoint(self, path: str, given: Mapping[str, float]) -> tuple[float, float]:
+        return key_value_scales(path, given)
 
     def cache_spec(self) -> FullAttentionSpec:
         return FullAttentionSpec(self.block_size, self.kv_dtype, self.num_kv_heads, self.head_dim)

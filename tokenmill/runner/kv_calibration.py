@@ -12,7 +12,7 @@ from tokenmill.errors import ConfigError
 from tokenmill.layers.step_context import StepContext
 from tokenmill.models.interface import CausalLM
 from tokenmill.models.loader import CheckpointSource, load_tokenizer
-from tokenmill.quantization.kv_scales import CALIBRATION_TOKENS, recorded_kv_amax, set_kv_scales
+from tokenmill.quantization.kv_scales import CALIBRATION_TOKENS, recorded_cache_amax, set_kv_scales
 from tokenmill.runner.batch import Chunk, pack
 
 if TYPE_CHECKING:
@@ -22,15 +22,15 @@ _RANDOM_IDS_SEED = 0
 
 
 def configure_kv_scales(runner: ModelRunner, source: CheckpointSource) -> None:
-    """Give every attention layer of the target the KV scales it serves with (before CUDA graphs)."""
+    """Give every FP8-capable cache layer of the target the scales it serves with (before CUDA graphs)."""
     model = runner.model
     budget = min(CALIBRATION_TOKENS, runner.config.model.max_model_len, runner.config.scheduler.max_num_batched_tokens)
 
-    def measure() -> tuple[list[tuple[float, float]], int, str]:
+    def measure() -> tuple[list[tuple[float, ...]], int, str]:
         token_ids, what = calibration_token_ids(source, runner.vocab_size, budget)
         return measure_kv_amax(model, token_ids, runner.block_size, runner.dtype, runner.device), len(token_ids), what
 
-    set_kv_scales(model.attention_layers(), runner.kv_dtype, runner.config.cache.calculate_kv_scales, measure)
+    set_kv_scales(model.scaled_cache_layers(), runner.kv_dtype, runner.config.cache.calculate_kv_scales, measure)
 
 
 def calibration_token_ids(source: CheckpointSource, vocab_size: int, max_tokens: int) -> tuple[list[int], str]:
@@ -48,13 +48,15 @@ def calibration_token_ids(source: CheckpointSource, vocab_size: int, max_tokens:
 @torch.inference_mode()
 def measure_kv_amax(
     model: CausalLM, token_ids: list[int], block_size: int, dtype: torch.dtype, device: torch.device
-) -> list[tuple[float, float]]:
-    """(amax |k|, amax |v|) per attention layer over one sequence of token_ids, each layer
-    attending over a scratch cache in the model dtype."""
-    layers = model.attention_layers()
+) -> list[tuple[float, ...]]:
+    """The amax of each scaled cache part (k and v; an MLA latent row) per FP8-capable cache layer
+    over one sequence of token_ids, each layer writing a scratch cache in the model dtype."""
+    layers = model.scaled_cache_layers()
     if not token_ids:
         raise ConfigError("the KV-scale calibration text has no tokens")
     blocks = -(-len(token_ids) // block_size)
-    scratch = [torch.zeros(layer.cache_spec().shape(blocks), dtype=dtype, device=device) for layer in layers]
+    specs = [layer.cache_spec() for layer in layers]
+    scratch = [torch.zeros(spec.shape(blocks), dtype=dtype, device=device) for spec in specs]
+    parts = [spec.scaled_parts(cache) for spec, cache in zip(specs, scratch)]
     ids, positions, metadata = pack([Chunk(token_ids, 0, range(blocks))], block_size, device)
-    return recorded_kv_amax(layers, scratch, lambda: model(ids, StepContext(positions, metadata)), dtype)
+    return recorded_cache_amax(layers, scratch, parts, lambda: model(ids, StepContext(positions, metadata)), dtype)
