@@ -14,6 +14,7 @@ from tokenmill.layers.attention.backend import AttentionMetadata
 from tokenmill.layers.attention.mla import MLAAttention
 from tokenmill.layers.attention.mla_backends import MLABackend
 from tokenmill.layers.attention.mla_rotary import RopeStyle
+from tokenmill.layers.step_context import StepContext
 
 SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
              qk_rope_head_dim=8, v_head_dim=12, num_hidden_layers=1)
@@ -93,8 +94,9 @@ def hf_forward(case: Case, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out[0]
 
 
-def our_attention(case: Case, hf: nn.Module, backend: MLABackend | None = None) -> MLAAttention:
-    ours = MLAAttention(case.config, case.rope, backend)
+def our_attention(case: Case, hf: nn.Module, backend: MLABackend | None = None,
+                  cache_dtype: torch.dtype | None = None, block_size: int = 4) -> MLAAttention:
+    ours = MLAAttention(case.config, case.rope, backend, cache_dtype=cache_dtype, block_size=block_size)
     ours.load_state_dict(hf.state_dict(), strict=True)
     return ours.eval()
 
@@ -151,7 +153,8 @@ def run_schedule(ours: MLAAttention, pool: PagedPool, cache: torch.Tensor, xs: l
     for items in schedule:
         rows = [xs[req][pool.computed[req] : pool.computed[req] + q_len] for req, q_len in items]
         positions, metadata = pool.step(items, device=str(cache.device))
-        y = ours(positions, torch.cat(rows), metadata, cache)
+        ours.bind_cache(cache)
+        y = ours(torch.cat(rows), StepContext(positions, metadata))
         start = 0
         for (req, q_len) in items:
             outs[req].append(y[start : start + q_len])

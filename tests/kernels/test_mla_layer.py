@@ -34,7 +34,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_triton_layer_matches_transformers(name, cache_dtype, tolerance, device) -> None:
     case = mla_case(name)
     hf = hf_attention(case)
-    ours = our_attention(case, hf, TritonMLABackend(num_splits=2 if device == "cpu" else None)).to(device)
+    ours = our_attention(case, hf, TritonMLABackend(num_splits=2 if device == "cpu" else None), cache_dtype).to(device)
     ours.cache_scale = 0.02 if cache_dtype == torch.float8_e4m3fn else 1.0
     gen = torch.Generator().manual_seed(1)
     xs = [torch.randn(n, case.config.hidden_size, generator=gen) for n in LENGTHS]

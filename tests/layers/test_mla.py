@@ -73,12 +73,13 @@ def test_fp8_latent_cache_stays_close_to_transformers() -> None:
     """An FP8 cache with a per-layer scale: quantized on write, the scale folded back on read."""
     case = mla_case("v2-no-q-lora-yarn")
     hf = hf_attention(case)
-    ours = our_attention(case, hf)
+    ours = our_attention(case, hf, cache_dtype=torch.float8_e4m3fn)
     xs = sequences(case.config.hidden_size)
     pool = PagedPool(64, BLOCK)
     for x in xs:
         pool.add(len(x))
     shape = latent_cache_shape(64, BLOCK, case.config.kv_lora_rank, case.config.qk_rope_head_dim)
+    assert ours.cache_spec().shape(64) == shape and ours.cache_spec().dtype == torch.float8_e4m3fn
     cache = torch.zeros(shape, dtype=torch.float8_e4m3fn)
     ours.cache_scale = 0.02  # latents reach ~ +-4 here: stored as up to ~200 of FP8's 448
     outs = run_schedule(ours, pool, cache, xs, SCHEDULE)
@@ -126,6 +127,8 @@ def test_configurations_that_cannot_run_fail_at_construction() -> None:
         MLAAttention(mla_case("v3-q-lora-neox").config, "halves")
     with pytest.raises(ConfigError, match="latent cache dtype"):
         TorchMLABackend.check_supported(torch.bfloat16, torch.float16)
+    with pytest.raises(ConfigError, match="latent cache dtype"):
+        MLAAttention(mla_case("v3-q-lora-neox").config, "neox", cache_dtype=torch.float16)  # a float32 model
     with pytest.raises(ConfigError, match="no 'flash' attention backend"):
         mla_backend("flash")
     assert mla_module.mla_softmax_scale(mla_case("kimi-nope").config, 24, rotary=False) == 24**-0.5

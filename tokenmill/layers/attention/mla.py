@@ -44,6 +44,7 @@ arrived in this chunk or an earlier one.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -51,12 +52,16 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from tokenmill.errors import ConfigError
+from tokenmill.kv.specs import LatentAttentionSpec
 from tokenmill.layers.attention.backend import AttentionMetadata
 from tokenmill.layers.attention.mla_backends import MLABackend, TorchMLABackend
 from tokenmill.layers.attention.mla_ref import gather_context, rms_norm_ref
 from tokenmill.layers.attention.mla_rotary import MLARotary, RopeStyle
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.step_context import StepContext
+from tokenmill.quantization import QuantizationConfig, Unquantized
+from tokenmill.quantization.kv_scales import latent_scale
 
 ABSORBED_MAX_QUERY_LEN = 17
 """Longest query run (per request and step) that takes the absorbed kernel: one token plus up
@@ -132,42 +137,80 @@ def select_requests(metadata: AttentionMetadata, requests: list[int]) -> tuple[A
 
 
 class MLAAttention(nn.Module):
-    """forward(positions [T], x [T, hidden], metadata, latent_cache) -> [T, hidden]."""
+    """forward(x [T, hidden], ctx) -> [T, hidden]. A cache layer: it declares a
+    LatentAttentionSpec and is bound its paged latent cache (`kv_cache`) by the runner."""
 
-    cache_scale: float
-    """The FP8 latent cache's scale (cache holds x / cache_scale); 1.0 for a model-dtype cache."""
-
-    def __init__(self, config: PretrainedConfig, rope: RopeStyle | None, backend: MLABackend | None = None,
-                 fused: bool = False) -> None:
-        """fused: tokenmill's Triton kernels for the norms and few-row matmuls (CUDA only)."""
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        rope: RopeStyle | None,
+        backend: MLABackend | None = None,
+        *,
+        quant: QuantizationConfig | None = None,
+        prefix: str = "",
+        block_size: int = 16,
+        cache_dtype: torch.dtype | None = None,
+        use_triton: bool = False,
+    ) -> None:
+        """quant: each projection's linear method by its name under `prefix` (None: unquantized).
+        cache_dtype: the latent cache's (None: the model dtype; FP8 E4M3 takes `cache_scale`).
+        use_triton: tokenmill's Triton kernels for the q LoRA norm and the few-row matmuls (CUDA)."""
         super().__init__()
         self.dims = d = MLADims.from_config(config)
+        quant = quant or Unquantized(use_triton)
         hidden = config.hidden_size
         bias = bool(getattr(config, "attention_bias", False))
+
+        def linear(name: str, in_features: int, out_features: int, with_bias: bool) -> Linear:
+            method = quant.linear_method(f"{prefix}.{name}" if prefix else name)
+            return Linear(in_features, out_features, bias=with_bias, method=method)
+
         if d.q_lora_rank is None:
-            self.q_proj = Linear(hidden, d.num_heads * d.qk_head_dim, bias=False, few_row_kernel=fused)
+            self.q_proj = linear("q_proj", hidden, d.num_heads * d.qk_head_dim, False)
         else:
-            self.q_a_proj = Linear(hidden, d.q_lora_rank, bias=bias, few_row_kernel=fused)
-            self.q_a_layernorm = RMSNorm(d.q_lora_rank, LATENT_NORM_EPS, fused)
-            self.q_b_proj = Linear(d.q_lora_rank, d.num_heads * d.qk_head_dim, bias=False, few_row_kernel=fused)
-        self.kv_a_proj_with_mqa = Linear(hidden, d.cache_width, bias=bias, few_row_kernel=fused)
-        self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, LATENT_NORM_EPS, fused)
-        self.kv_b_proj = Linear(d.kv_lora_rank, d.num_heads * (d.qk_nope_head_dim + d.v_head_dim), bias=False,
-                                few_row_kernel=fused)
-        self.o_proj = Linear(d.num_heads * d.v_head_dim, hidden, bias=bias, few_row_kernel=fused)
+            self.q_a_proj = linear("q_a_proj", hidden, d.q_lora_rank, bias)
+            self.q_a_layernorm = RMSNorm(d.q_lora_rank, LATENT_NORM_EPS, use_triton)
+            self.q_b_proj = linear("q_b_proj", d.q_lora_rank, d.num_heads * d.qk_head_dim, False)
+        self.kv_a_proj_with_mqa = linear("kv_a_proj_with_mqa", hidden, d.cache_width, bias)
+        self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, LATENT_NORM_EPS, use_triton)
+        self.kv_b_proj = linear("kv_b_proj", d.kv_lora_rank, d.num_heads * (d.qk_nope_head_dim + d.v_head_dim), False)
+        self.o_proj = linear("o_proj", d.num_heads * d.v_head_dim, hidden, bias)
         self.rotary = MLARotary(config, d.qk_rope_head_dim, rope) if rope is not None else None
         self.softmax_scale = mla_softmax_scale(config, d.qk_head_dim, rope is not None)
         self.backend = backend or TorchMLABackend()
+        self.block_size = block_size
+        self.cache_dtype = cache_dtype or torch.get_default_dtype()
+        self.backend.check_supported(torch.get_default_dtype(), self.cache_dtype)
+        self.kv_cache = torch.empty(0)  # bound by the runner
         self.cache_scale = 1.0
+        self.checkpoint_kv_scales: tuple[float] | None = None
+        self._absorption: tuple[torch.Tensor, torch.Tensor] | None = None  # W_UK, W_UV of a quantized kv_b_proj
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, metadata: AttentionMetadata,
-                latent_cache: torch.Tensor) -> torch.Tensor:
+    def cache_spec(self) -> LatentAttentionSpec:
+        return LatentAttentionSpec(self.block_size, self.cache_dtype, self.dims.cache_width)
+
+    def bind_cache(self, cache: torch.Tensor) -> None:
+        self.kv_cache = cache
+
+    @property
+    def kv_scales(self) -> tuple[float]:
+        return (self.cache_scale,)
+
+    @kv_scales.setter
+    def kv_scales(self, scales: tuple[float, ...]) -> None:
+        (self.cache_scale,) = scales
+
+    def scales_from_checkpoint(self, path: str, given: Mapping[str, float]) -> tuple[float]:
+        return latent_scale(path, given)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         d = self.dims
+        metadata = ctx.attention
         q, compressed = self.projections(x)
-        self.backend.prepare(positions, q, compressed, self.kv_a_layernorm, self.rotary, latent_cache,
+        self.backend.prepare(ctx.positions, q, compressed, self.kv_a_layernorm, self.rotary, self.kv_cache,
                              metadata.slot_mapping, self.cache_scale)
         q_nope, q_pe = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], -1)
-        out = self.attend(q_nope, q_pe, latent_cache, metadata)
+        out = self.attend(q_nope, q_pe, self.kv_cache, metadata)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
     def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,15 +248,26 @@ class MLAAttention(nn.Module):
             out[rows] = attend(q_nope[rows], q_pe[rows], cache, selected)
         return out
 
-    def absorption_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK [H, nope, kv_lora_rank], W_UV [H, v, kv_lora_rank]): views of kv_b_proj's weight
-        (an FP8 weight is dequantized to the model dtype each call)."""
-        d = self.dims
+    def process_weights_after_loading(self) -> None:
+        """After the linear methods processed their weights: a kv_b_proj stored in another dtype
+        than the model's (quantized) keeps a dequantized copy for the absorbed path."""
+        dtype = self.kv_a_layernorm.weight.dtype
         weight = self.kv_b_proj.weight
-        if getattr(self.kv_b_proj, "weight_scale", None) is not None:
-            weight = self.kv_b_proj.dequantized_weight().to(self.kv_a_layernorm.weight.dtype)
+        self._absorption = None
+        if weight.dtype != dtype:
+            self._absorption = self._split_absorption(self.kv_b_proj.dequantized_weight().to(dtype))
+
+    def _split_absorption(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.dims
         weight = weight.view(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
         return weight[:, : d.qk_nope_head_dim], weight[:, d.qk_nope_head_dim :]
+
+    def absorption_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, nope, kv_lora_rank], W_UV [H, v, kv_lora_rank]): views of kv_b_proj's weight,
+        or of its dequantized copy when it is quantized."""
+        if self._absorption is not None:
+            return self._absorption
+        return self._split_absorption(self.kv_b_proj.weight)
 
     def attend_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                         metadata: AttentionMetadata) -> torch.Tensor:
