@@ -10,6 +10,8 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.models.interface import CausalLM
 
 _MODELS: dict[str, tuple[str, str]] = {
+    "DeepseekV2ForCausalLM": ("tokenmill.models.deepseek", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("tokenmill.models.deepseek", "DeepseekV3ForCausalLM"),
     "LlamaForCausalLM": ("tokenmill.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("tokenmill.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("tokenmill.models.llama", "Qwen2ForCausalLM"),
@@ -18,7 +20,8 @@ _MODELS: dict[str, tuple[str, str]] = {
 
 # For configs without `architectures` (e.g. built from GGUF metadata).
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                  "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 def register_model(architecture: str, module: str, class_name: str, model_type: str | None = None) -> None:
