@@ -14,8 +14,9 @@ for part in "${@:-tests attention engine}"; do
       attention) python3 benchmarks/attention_bench.py 2>&1 | tee "$out/attention_bench.log" ;;
       engine) python3 benchmarks/gpu_bench.py --json "$out/gpu_bench.json" 2>&1 | tee "$out/gpu_bench.log" ;;
       quick) python3 benchmarks/gpu_bench.py --quick 2>&1 | tee "$out/gpu_bench_quick.log" ;;
-      mla) python3 -m pytest -q -rP -m gpu -p no:cacheprovider tests/kernels/test_mla_kernels.py tests/kernels/test_mla_layer.py 2>&1 | tee "$out/mla_gpu_tests.log"
-           python3 benchmarks/mla_bench.py --json "$out/mla_bench.json" 2>&1 | tee "$out/mla_bench.log" ;;
+      mla) python3 -m pytest -q -rP -m gpu -p no:cacheprovider tests/kernels/test_mla_kernels.py tests/kernels/test_mla_layer.py tests/models/test_deepseek.py 2>&1 | tee "$out/mla_gpu_tests.log"
+           python3 benchmarks/mla_bench.py --json "$out/mla_bench.json" 2>&1 | tee "$out/mla_bench.log"
+           python3 benchmarks/mla_engine_bench.py --json "$out/mla_engine_bench.json" 2>&1 | tee "$out/mla_engine_bench.log" ;;
     esac
   done
 done
