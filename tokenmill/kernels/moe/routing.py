@@ -15,7 +15,7 @@ import triton.language as tl
 
 from tokenmill.kernels._common import next_pow2
 
-NO_INDEX = 1 << 30  # above every expert and group index: the identity of a min over indices
+NO_INDEX = tl.constexpr(1 << 30)  # above every expert and group index: the identity of a min over indices
 
 
 @triton.jit
