@@ -115,8 +115,8 @@ class Bench:
         torch.set_default_dtype(s.dtype)
         try:
             with torch.device(s.device):
-                self.block = SparseMoeBlock(config, fused=True).eval()
-                self.reference = SparseMoeBlock(config, fused=False).eval()
+                self.block = SparseMoeBlock(config, use_triton=True).eval()
+                self.reference = SparseMoeBlock(config).eval()
         finally:
             torch.set_default_dtype(default_dtype)
         with torch.no_grad():

@@ -121,7 +121,7 @@ def test_fused_block_matches_reference_block(case: str, tokens: int) -> None:
     """The whole block through the kernels (routing, experts, combine with the shared expert, the
     few-row Linear kernels) equals its reference path."""
     config = MOE_CASES[case].config
-    reference, fused = SparseMoeBlock(config), SparseMoeBlock(config, fused=True)
+    reference, fused = SparseMoeBlock(config), SparseMoeBlock(config, use_triton=True)
     randomize_(reference, seed=5)
     fused.load_state_dict(reference.state_dict())
     x = torch.randn(tokens, config.hidden_size, generator=torch.Generator().manual_seed(6))
@@ -151,7 +151,7 @@ def test_fused_block_replays_in_a_cuda_graph_without_host_sync(case: str, tokens
     while capturing, and a replay on new inputs gives what an eager call gives."""
     config = MOE_CASES[case].config
     with torch.device("cuda"):
-        block = SparseMoeBlock(config, fused=True)
+        block = SparseMoeBlock(config, use_triton=True)
     randomize_(block, seed=7)
     gen = torch.Generator(device="cuda").manual_seed(8)
     x = torch.randn(tokens, config.hidden_size, device="cuda", generator=gen)

@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tokenmill.errors import ConfigError, ModelLoadError
-from tokenmill.layers.moe import RoutingConfig, SparseMoeBlock
+from tokenmill.layers.moe import PACKED, RoutingConfig, SparseMoeBlock
+from tokenmill.models.weights import CheckpointLoader, load_checkpoint
 
 
 def _inputs(seed: int) -> torch.Tensor:
@@ -27,7 +28,7 @@ def test_block_matches_transformers(case: str) -> None:
     reference = moe.hf_block(moe.config).eval()
     randomize_(reference, seed=1)
     block = SparseMoeBlock(moe.config)
-    block.load_weights(reference.state_dict().items())
+    load_checkpoint(block, reference.state_dict().items(), PACKED)
     x = _inputs(2)
     with torch.no_grad():
         expected = reference(x)
@@ -54,7 +55,7 @@ def test_block_loads_saved_checkpoint(case: str, tmp_path: Path) -> None:
     block_keys = {k.split(p, 1)[1]: v for k, v in saved.items() for p in prefixes if k.startswith(p)}
     assert any(".0." in f".{k}" and "experts." in k for k in block_keys), sorted(block_keys)  # per-expert on disk
     block = SparseMoeBlock(moe.config)
-    block.load_weights(block_keys.items())
+    load_checkpoint(block, block_keys.items(), PACKED)
     x = _inputs(4)
     with torch.no_grad():
         torch.testing.assert_close(block(x), layer(x), rtol=1e-5, atol=1e-6)
@@ -67,29 +68,31 @@ def test_loader_refuses_missing_unknown_and_misshapen_tensors() -> None:
     weights = dict(reference.state_dict())
     block = SparseMoeBlock(moe.config)
     with pytest.raises(ModelLoadError, match="lacks 1 tensors .*shared_expert_gate.weight"):
-        block.load_weights((k, v) for k, v in weights.items() if k != "shared_expert_gate.weight")
+        load_checkpoint(block, ((k, v) for k, v in weights.items() if k != "shared_expert_gate.weight"), PACKED)
     with pytest.raises(ModelLoadError, match="lacks 8 tensors .*experts.w13\\[0\\].up"):
-        block.load_weights([(k, v) for k, v in weights.items() if k != "experts.gate_up_proj"]
-                           + [(f"experts.{e}.gate_proj.weight", torch.zeros(16, HIDDEN)) for e in range(8)])
+        load_checkpoint(block, [(k, v) for k, v in weights.items() if k != "experts.gate_up_proj"]
+                        + [(f"experts.{e}.gate_proj.weight", torch.zeros(16, HIDDEN)) for e in range(8)], PACKED)
+    loader = CheckpointLoader(block, PACKED)
     with pytest.raises(ModelLoadError, match="'experts.3.fc1.weight' has no place"):
-        block.load_weight("experts.3.fc1.weight", torch.zeros(1))
+        loader.load("experts.3.fc1.weight", torch.zeros(1))
     with pytest.raises(ModelLoadError, match="'router.weight' has no place"):
-        block.load_weight("router.weight", torch.zeros(1))
+        loader.load("router.weight", torch.zeros(1))
     with pytest.raises(ModelLoadError, match=r"experts.w2\[8\]|expert 8 is out of range"):
-        block.load_weight("experts.8.down_proj.weight", torch.zeros(HIDDEN, 16))
+        loader.load("experts.8.down_proj.weight", torch.zeros(HIDDEN, 16))
     with pytest.raises(ModelLoadError, match=r"experts.w13\[2\] up: checkpoint shape \(16, 31\)"):
-        block.load_weight("experts.2.up_proj.weight", torch.zeros(16, 31))
+        loader.load("experts.2.up_proj.weight", torch.zeros(16, 31))
 
 
 def test_per_expert_shards_land_in_their_rows() -> None:
     """gate / up / down of expert i (either naming) fill exactly w13[i, :I], w13[i, I:], w2[i]."""
     block = SparseMoeBlock(MOE_CASES["qwen3_moe"].config)
+    loader = CheckpointLoader(block, PACKED)
     with torch.no_grad():
         block.experts.w13.zero_()
         block.experts.w2.zero_()
-    block.load_weight("experts.5.gate_proj.weight", torch.full((16, HIDDEN), 1.0))
-    block.load_weight("experts.5.w3.weight", torch.full((16, HIDDEN), 2.0))
-    block.load_weight("experts.6.w2.weight", torch.full((HIDDEN, 16), 3.0))
+    loader.load("experts.5.gate_proj.weight", torch.full((16, HIDDEN), 1.0))
+    loader.load("experts.5.w3.weight", torch.full((16, HIDDEN), 2.0))
+    loader.load("experts.6.w2.weight", torch.full((HIDDEN, 16), 3.0))
     w13, w2 = block.experts.w13, block.experts.w2
     assert (w13[5, :16] == 1).all() and (w13[5, 16:] == 2).all() and w13[torch.arange(8) != 5].abs().sum() == 0
     assert (w2[6] == 3).all() and w2[torch.arange(8) != 6].abs().sum() == 0

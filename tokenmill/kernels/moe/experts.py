@@ -5,7 +5,7 @@
 
 Up to FEW_ROWS tokens (decode, small batches) the few-row kernels stream each selected expert
 once (few_row.py); more tokens sort their slots by expert and run the grouped GEMMs
-(align.py, grouped_gemm.py). Both end in the same combine. tokenmill/layers/moe/fused_moe.py
+(align.py, grouped_gemm.py). Both end in the same combine. tokenmill/quantization/unquantized_experts.py
 holds the reference (fused_experts_ref). No host sync, every buffer sized from T * k: it runs
 inside a captured CUDA graph.
 """
