@@ -13,7 +13,7 @@ from parity import check_parity, tolerance
 from safetensors.torch import load_file, save_file
 from tiny_models import TINY_MOE_CONFIGS, save_tiny_checkpoint
 
-from tokenmill import LLM
+from tokenmill import LLM, SamplingParams
 from tokenmill.errors import ConfigError, ModelLoadError
 from tokenmill.layers.mlp import GatedMLP
 from tokenmill.layers.moe import SparseMoeBlock
@@ -78,3 +78,25 @@ def test_fp8_on_load_refuses_moe_experts(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="'fp8' has no method for the routed experts .*model.layers.0.mlp.experts"):
         moe_llm(tmp_path, speculative_config={"method": "draft_model", "model": str(tmp_path), "quantization": "fp8",
                                               "num_speculative_tokens": 2})
+
+
+@pytest.mark.gpu
+def test_moe_decode_replays_cuda_graphs_with_the_device_kernels(tmp_path: Path) -> None:
+    """On CUDA the routing kernel, the fused experts and the shared expert's few-row kernels run
+    inside the captured decode graphs (a host sync would fail the capture), and replaying them
+    gives the eager engine's greedy tokens."""
+    save_tiny_checkpoint("qwen2_moe", tmp_path)
+    graphs = moe_llm(tmp_path, "cuda", "bfloat16")
+    eager = moe_llm(tmp_path, "cuda", "bfloat16", enforce_eager=True)
+    blocks = [layer.mlp for layer in graphs.engine.runner.model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    assert blocks and all(b.use_triton and b.experts.method.use_triton and b.gate.method.use_triton for b in blocks)
+    step_graphs = graphs.engine.runner.graphs[0]
+    replays = []
+    run = step_graphs.run
+    step_graphs.run = lambda *args: replays.append(1) or run(*args)  # type: ignore[method-assign]
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 320, (n,), generator=gen).tolist() for n in (5, 17, 40, 300)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    assert ([o.outputs[0].token_ids for o in graphs.generate(prompts, params)]
+            == [o.outputs[0].token_ids for o in eager.generate(prompts, params)])
+    assert len(replays) >= 20
