@@ -27,8 +27,9 @@ def is_sparse_layer(config: PretrainedConfig, layer: int) -> bool:
             and (layer + 1) % config.decoder_sparse_step == 0)
 
 
-class Qwen3MoeForCausalLM(LlamaForCausalLM):
-    variant = Variant(qk_norm=True)
+class QwenMoeForCausalLM(LlamaForCausalLM):
+    """The decoder both families share: a sparse block or a dense MLP per layer."""
+
     packed: PackedModules = {**PACKED, **MOE_PACKED}
 
     def make_mlp(self, build: ModelBuild, layer: int, prefix: str) -> nn.Module:
@@ -37,6 +38,10 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         return dense_mlp(build, prefix)
 
 
-class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
+class Qwen3MoeForCausalLM(QwenMoeForCausalLM):
+    variant = Variant(qk_norm=True)
+
+
+class Qwen2MoeForCausalLM(QwenMoeForCausalLM):
     def variant_of(self, config: PretrainedConfig) -> Variant:
         return Variant(qkv_bias=bool(getattr(config, "qkv_bias", True)), o_bias=False)

@@ -29,7 +29,7 @@ from tokenmill.quantization.base import Shard
 from tokenmill.quantization.kv_scales import CheckpointKVScales
 from tokenmill.quantization.weight_loading import whole_loader
 
-PackedModules = Mapping[str, tuple[str, "int | str | None"]]
+PackedModules = Mapping[str, tuple[str, int | str | None]]
 EXPERT_INDEX = "*"
 
 
