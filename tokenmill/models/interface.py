@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 from tokenmill.kv.specs import CacheLayer, CacheSpec
 from tokenmill.layers.attention import AttentionBackend
 from tokenmill.layers.step_context import RequestInputSpec, StepContext
-from tokenmill.quantization import LinearMethod, QuantizationConfig, Unquantized
+from tokenmill.quantization import FusedMoEMethod, LinearMethod, QuantizationConfig, Unquantized
 
 
 @dataclass(frozen=True)
@@ -80,5 +80,5 @@ class CausalLM(nn.Module, ABC):
         """Let every quantization method finish its layers (e.g. quantize on load)."""
         for module in self.modules():
             method = getattr(module, "method", None)
-            if isinstance(method, LinearMethod):
+            if isinstance(method, (LinearMethod, FusedMoEMethod)):
                 method.process_weights_after_loading(module)  # type: ignore[arg-type]
