@@ -5,7 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 COMMON = dict(
     vocab_size=320,
@@ -31,6 +40,23 @@ TINY_CONFIGS: dict[str, PretrainedConfig] = {
     "qwen3": Qwen3Config(**{**COMMON, "num_attention_heads": 2}, head_dim=48, tie_word_embeddings=False),
 }
 
+# Every routing variant of the two MoE families: norm_topk_prob on and off, sparse step 1 and 2,
+# dense layers by index (mlp_only_layers), Qwen2-MoE's gated shared expert with and without q/k/v bias.
+MOE_COMMON = dict(COMMON, max_position_embeddings=512, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                  experts_implementation="eager")
+TINY_MOE_CONFIGS: dict[str, PretrainedConfig] = {
+    "qwen3_moe": Qwen3MoeConfig(**MOE_COMMON, head_dim=16, norm_topk_prob=True, tie_word_embeddings=False),
+    "qwen3_moe-no-renorm-step2": Qwen3MoeConfig(**MOE_COMMON, head_dim=16, norm_topk_prob=False, decoder_sparse_step=2,
+                                                tie_word_embeddings=True),
+    "qwen3_moe-mlp-only-top3": Qwen3MoeConfig(**{**MOE_COMMON, "num_hidden_layers": 3, "num_experts_per_tok": 3},
+                                              head_dim=16, norm_topk_prob=True, mlp_only_layers=[1]),
+    "qwen2_moe": Qwen2MoeConfig(**MOE_COMMON, shared_expert_intermediate_size=48, norm_topk_prob=False,
+                                tie_word_embeddings=False),
+    "qwen2_moe-renorm-step2-no-qkv-bias": Qwen2MoeConfig(**{**MOE_COMMON, "num_hidden_layers": 3},
+                                                         shared_expert_intermediate_size=48, norm_topk_prob=True,
+                                                         decoder_sparse_step=2, mlp_only_layers=[2], qkv_bias=False),
+}
+
 
 # SmolLM2-135M's real shapes (random weights): parity at full size where the GGUF cannot travel.
 SMOLLM2_SHAPE = LlamaConfig(
@@ -43,7 +69,7 @@ SMOLLM2_SHAPE = LlamaConfig(
 def save_tiny_checkpoint(name: str, directory: Path, seed: int = 0) -> torch.nn.Module:
     """Build the named random model with a fixed seed, save it as safetensors, return it (float32)."""
     torch.manual_seed(seed)
-    config = SMOLLM2_SHAPE if name == "smollm2-shape" else TINY_CONFIGS[name]
+    config = SMOLLM2_SHAPE if name == "smollm2-shape" else TINY_CONFIGS.get(name) or TINY_MOE_CONFIGS[name]
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Tiny models get larger weights than the default init, so logits are far from uniform.
     matrix_std = 0.02 if name == "smollm2-shape" else 0.08

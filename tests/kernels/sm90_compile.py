@@ -19,6 +19,7 @@ os.environ["TRITON_INTERPRET"] = "0"
 
 import torch
 import triton
+from sm90_moe_variants import moe_variants  # beside this script
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -182,10 +183,10 @@ def waits_before_writing(ptx: str) -> bool:
 
 def main(quick: bool = False) -> int:
     failures = 0
-    variants = list(attention_variants()) + list(other_variants()) + list(mla_variants())
-    if quick:  # CI: the Llama-shaped bf16 and fp8 attention, the small kernels, MLA decode and verification
-        mla = [v for v in mla_variants() if v[0] in QUICK_MLA]
-        variants = [v for v in variants if "H=32/8" in v[0] and v[0].startswith("attention bf16")] + list(other_variants()) + mla
+    variants = list(attention_variants()) + list(other_variants()) + list(moe_variants()) + list(mla_variants())
+    if quick:  # CI: the Llama-shaped bf16 and fp8 attention, the small and MoE kernels, MLA decode and verification
+        variants = [v for v in variants if "H=32/8" in v[0] and v[0].startswith("attention bf16")] + list(other_variants())
+        variants += list(moe_variants(quick=True)) + [v for v in mla_variants() if v[0] in QUICK_MLA]
     for label, fn, types, consts, warps, stages in variants:
         try:
             kernel = compile_variant(fn, types, consts, warps, stages)

@@ -37,6 +37,7 @@ def test_tokenmill_imports_without_triton() -> None:
         "import tokenmill\n"
         "from tokenmill.layers.attention.triton_backend import TritonAttentionBackend\n"
         "from tokenmill.errors import ConfigError\n"
+        "from tokenmill.layers.moe import SparseMoeBlock\n"
         "try:\n    TritonAttentionBackend()\nexcept ConfigError as e:\n    print('refused:', e)\n"
         "from tokenmill.layers.attention.mla import MLAAttention\n"
         "from tokenmill.layers.attention.mla_backends import mla_backend\n"

@@ -11,7 +11,13 @@ from tokenmill.errors import ConfigError
 
 
 def rope_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and the cos/sin scaling factor, from the model's rope parameters."""
+    """Inverse frequencies (computed on the CPU whatever device a model is built on, the meta device
+    included) and the cos/sin scaling factor, from the model's rope parameters."""
+    with torch.device("cpu"):
+        return _rope_inv_freq(config, head_dim)
+
+
+def _rope_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     params = getattr(config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":

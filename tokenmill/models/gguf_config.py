@@ -7,17 +7,28 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
-from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from gguf import ExpertGatingFuncType, GGMLQuantizationType
+from transformers import (
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.models.gguf_file import SUPPORTED_GGUF_ARCHS, GGUFCheckpoint
 
 _Q = GGMLQuantizationType
+# llama.cpp's graphs fix whether the top-k routing weights are renormalised (norm_topk_prob) unless
+# the file says `<arch>.expert_weights_norm`.
+_MOE_NORM_TOPK_PROB = {"qwen2moe": False, "qwen3moe": True}
 
 
 def gguf_to_hf_config(ckpt: GGUFCheckpoint) -> PretrainedConfig:
-    """The transformers config (Llama/Mistral/Qwen2/Qwen3) that the GGUF's tensors belong to."""
+    """The transformers config (Llama/Mistral/Qwen2/Qwen3/Qwen2-MoE/Qwen3-MoE) that the GGUF's tensors belong to."""
     arch = ckpt.arch
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise ModelLoadError(
@@ -32,9 +43,11 @@ def gguf_to_hf_config(ckpt: GGUFCheckpoint) -> PretrainedConfig:
     n_kv_head = ckpt.get_int("attention.head_count_kv") or n_head
     head_dim = _head_dim(ckpt, hidden, n_head)
     vocab_size = ckpt.tensor_shape("token_embd.weight")[0]
+    moe = _moe_fields(ckpt, n_layers) if arch in _MOE_NORM_TOPK_PROB else {}
     intermediate = ckpt.get_int("feed_forward_length")
     if intermediate is None and "blk.0.ffn_up.weight" in ckpt.tensors:
         intermediate = ckpt.tensor_shape("blk.0.ffn_up.weight")[0]
+    intermediate = intermediate or moe.get("moe_intermediate_size")  # no dense layer needs one
     if intermediate is None:
         raise ModelLoadError(f"{ckpt.path}: cannot tell the MLP size (no '{arch}.feed_forward_length')")
 
@@ -65,7 +78,39 @@ def gguf_to_hf_config(ckpt: GGUFCheckpoint) -> PretrainedConfig:
         )
     if arch == "qwen2":
         return Qwen2Config(use_sliding_window=False, **kwargs)
+    if arch == "qwen2moe":
+        return Qwen2MoeConfig(qkv_bias=has_attn_bias, use_sliding_window=False, **kwargs, **moe)
+    if arch == "qwen3moe":
+        return Qwen3MoeConfig(attention_bias=has_attn_bias, use_sliding_window=False, **kwargs, **moe)
     return Qwen3Config(attention_bias=has_attn_bias, use_sliding_window=False, **kwargs)
+
+
+def _moe_fields(ckpt: GGUFCheckpoint, n_layers: int) -> dict[str, Any]:
+    """Expert counts and sizes, and which layers are sparse (those with a router, ffn_gate_inp)."""
+    sparse = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" in ckpt.tensors]
+    if not sparse:
+        raise ModelLoadError(f"{ckpt.path}: a {ckpt.arch} GGUF without any router tensor (blk.N.ffn_gate_inp)")
+    gating = ckpt.get_int("expert_gating_func")
+    if gating is not None and gating != ExpertGatingFuncType.SOFTMAX:
+        raise ModelLoadError(f"{ckpt.path}: {ckpt.arch} routers score with softmax; the file asks for gating "
+                             f"function {gating}")
+    first = f"blk.{sparse[0]}"
+    norm = ckpt.get(ckpt.arch_key("expert_weights_norm"))
+    fields: dict[str, Any] = dict(
+        num_experts=ckpt.require_int("expert_count"),
+        num_experts_per_tok=ckpt.require_int("expert_used_count"),
+        moe_intermediate_size=ckpt.get_int("expert_feed_forward_length")
+        or ckpt.tensor_shape(f"{first}.ffn_gate_exps.weight")[1],
+        norm_topk_prob=_MOE_NORM_TOPK_PROB[ckpt.arch] if norm is None else bool(norm),
+        decoder_sparse_step=1,
+        mlp_only_layers=[i for i in range(n_layers) if i not in sparse],
+    )
+    if ckpt.arch == "qwen2moe":
+        shared = f"{first}.ffn_gate_shexp.weight"
+        fields["shared_expert_intermediate_size"] = (
+            (ckpt.get_int("expert_shared_feed_forward_length") or ckpt.tensor_shape(shared)[0])
+            if shared in ckpt.tensors else 0)
+    return fields
 
 
 def _head_dim(ckpt: GGUFCheckpoint, hidden: int, n_head: int) -> int:

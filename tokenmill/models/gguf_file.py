@@ -15,8 +15,8 @@ from gguf.quants import dequantize
 
 from tokenmill.errors import ModelLoadError
 
-# GGUF architecture name -> transformers model_type; see gguf_config.py for the configs.
-SUPPORTED_GGUF_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+# GGUF architecture names; see gguf_config.py for the transformers configs they become.
+SUPPORTED_GGUF_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 
 _Q = GGMLQuantizationType
 # Dequantized with gguf.quants; each type here is covered by tests/models.
@@ -41,20 +41,33 @@ _BLOCK_NAMES: dict[str, str] = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Stacked experts [E, rows, cols]: yielded per expert under the names save_pretrained writes.
+_EXPERT_NAMES: dict[str, str] = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors that carry no HF parameter: llama3 rope factors are folded into the config instead.
 _NON_PARAMETER_TENSORS: frozenset[str] = frozenset({"rope_freqs.weight"})
 
 
 def hf_param_name(gguf_name: str) -> str | None:
-    """The Hugging Face parameter name of a GGUF tensor, or None when it has none."""
+    """The Hugging Face parameter name of a GGUF tensor, or None when it has none. Stacked experts
+    name every expert's tensor: `...mlp.experts.{}.gate_proj.weight`, `{}` for the expert index."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _BLOCK_NAMES:
+    if m is None:
         return None
-    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    block, kind, suffix = m.groups()
+    if kind in _EXPERT_NAMES:
+        return f"model.layers.{block}.mlp.experts.{{}}.{_EXPERT_NAMES[kind]}.{suffix}"
+    if kind not in _BLOCK_NAMES:
+        return None
+    return f"model.layers.{block}.{_BLOCK_NAMES[kind]}.{suffix}"
 
 
 class GGUFCheckpoint:
@@ -205,10 +218,16 @@ def iter_gguf_weights(ckpt: GGUFCheckpoint) -> Iterator[tuple[str, torch.Tensor]
         if hf_name is None:
             continue
         tensor = ckpt.read_tensor(name)
-        # convert_hf_to_gguf permutes q/k only for LlamaModel (llama, mistral); Qwen2/Qwen3 keep HF order.
+        # convert_hf_to_gguf permutes q/k only for LlamaModel (llama, mistral); the Qwen families keep HF order.
         if ckpt.arch == "llama":
             if ".attn_q." in name:
                 tensor = unpermute_rotary(tensor, n_head)
             elif ".attn_k." in name:
                 tensor = unpermute_rotary(tensor, n_kv_head)
-        yield hf_name, tensor
+        if "{}" in hf_name:
+            for expert, weight in enumerate(tensor.unbind(0)):
+                yield hf_name.format(expert), weight
+        elif ".ffn_gate_inp_shexp." in name and tensor.dim() == 1:
+            yield hf_name, tensor[None]  # llama.cpp keeps Qwen2-MoE's shared-expert gate [1, H] as [H]
+        else:
+            yield hf_name, tensor

@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 from tokenmill.kv.specs import CacheLayer, CacheSpec
 from tokenmill.layers.attention import AttentionBackend
 from tokenmill.layers.step_context import RequestInputSpec, StepContext
-from tokenmill.quantization import LinearMethod, QuantizationConfig, Unquantized
+from tokenmill.quantization import FusedMoEMethod, LinearMethod, QuantizationConfig, Unquantized
 from tokenmill.quantization.kv_scales import ScaledCacheLayer
 
 
@@ -81,5 +81,5 @@ class CausalLM(nn.Module, ABC):
         """Let every quantization method finish its layers (e.g. quantize on load)."""
         for module in self.modules():
             method = getattr(module, "method", None)
-            if isinstance(method, LinearMethod):
+            if isinstance(method, (LinearMethod, FusedMoEMethod)):
                 method.process_weights_after_loading(module)  # type: ignore[arg-type]

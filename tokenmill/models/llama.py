@@ -6,26 +6,26 @@ which load by shard (`PACKED`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from tokenmill.kv.specs import FullAttentionSpec
 from tokenmill.layers.attention import AttentionBackend
 from tokenmill.layers.linear import Linear
+from tokenmill.layers.mlp import GatedMLP
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.layers.step_context import StepContext
 from tokenmill.models.interface import CausalLM, ModelBuild
-from tokenmill.models.weights import load_checkpoint
+from tokenmill.models.weights import PackedModules, load_checkpoint
 from tokenmill.quantization.kv_scales import key_value_scales
 
 # checkpoint projection -> (fused module, shard)
-PACKED = {
+PACKED: PackedModules = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
     "v_proj": ("qkv_proj", 2),
@@ -114,35 +114,24 @@ class Attention(nn.Module):
         return self.o_proj(out.flatten(1))
 
 
-class MLP(nn.Module):
-    def __init__(self, build: ModelBuild, prefix: str) -> None:
-        super().__init__()
-        config, quant = build.hf_config, build.quant
-        self.use_triton = build.use_triton
-        size = config.intermediate_size
-        bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = Linear(config.hidden_size, [size, size], bias=bias,
-                                   method=quant.linear_method(f"{prefix}.gate_up_proj"))
-        self.down_proj = Linear(size, config.hidden_size, bias=bias, method=quant.linear_method(f"{prefix}.down_proj"))
+def dense_mlp(build: ModelBuild, prefix: str) -> GatedMLP:
+    config = build.hf_config
+    return GatedMLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)), build.quant,
+                    prefix, build.use_triton)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.use_triton:
-            from tokenmill.kernels.activation import silu_and_mul
 
-            return self.down_proj(silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+MlpFactory = Callable[[ModelBuild, int, str], nn.Module]
+"""(build, layer index, module path) -> the layer's MLP."""
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, build: ModelBuild, rotary: RotaryEmbedding, variant: Variant, prefix: str) -> None:
+    def __init__(self, build: ModelBuild, rotary: RotaryEmbedding, variant: Variant, prefix: str, mlp: nn.Module) -> None:
         super().__init__()
         config = build.hf_config
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, build.use_triton)
         self.self_attn = Attention(build, rotary, variant, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, build.use_triton)
-        self.mlp = MLP(build, f"{prefix}.mlp")
+        self.mlp = mlp
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext
@@ -158,13 +147,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, build: ModelBuild, variant: Variant) -> None:
+    def __init__(self, build: ModelBuild, variant: Variant, make_mlp: MlpFactory) -> None:
         super().__init__()
         config = build.hf_config
         rotary = RotaryEmbedding(config, head_dim_of(config), build.max_model_len, build.use_triton)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        prefixes = [f"model.layers.{i}" for i in range(config.num_hidden_layers)]
         self.layers = nn.ModuleList(
-            DecoderLayer(build, rotary, variant, f"model.layers.{i}") for i in range(config.num_hidden_layers)
+            DecoderLayer(build, rotary, variant, prefix, make_mlp(build, i, f"{prefix}.mlp")) for i, prefix in enumerate(prefixes)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, build.use_triton)
 
@@ -178,19 +168,27 @@ class DecoderModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    """Also Mistral (the same graph); Qwen2 and Qwen3 differ only in their Variant."""
+    """Also Mistral (the same graph); Qwen2 and Qwen3 differ only in their Variant. A subclass may
+    give its layers other MLPs (`make_mlp`) and pack more checkpoint names (`packed`)."""
 
     variant = Variant()
+    packed: PackedModules = PACKED
 
     def __init__(self, build: ModelBuild) -> None:
         super().__init__(build)
         config = build.hf_config
-        self.model = DecoderModel(build, self.variant)
+        self.model = DecoderModel(build, self.variant_of(config), self.make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False,
                               method=build.quant.linear_method("lm_head"))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def variant_of(self, config: PretrainedConfig) -> Variant:
+        return self.variant
+
+    def make_mlp(self, build: ModelBuild, layer: int, prefix: str) -> nn.Module:
+        return dense_mlp(build, prefix)
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         return self.model(input_ids, ctx)
@@ -202,7 +200,7 @@ class LlamaForCausalLM(CausalLM):
         def skip(name: str) -> bool:
             return "rotary_emb" in name or (self.tie_word_embeddings and name == "lm_head.weight")
 
-        load_checkpoint(self, weights, PACKED, skip)
+        load_checkpoint(self, weights, self.packed, skip)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -16,12 +16,14 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("tokenmill.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("tokenmill.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("tokenmill.models.llama", "Qwen3ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("tokenmill.models.qwen_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("tokenmill.models.qwen_moe", "Qwen3MoeForCausalLM"),
 }
 
 # For configs without `architectures` (e.g. built from GGUF metadata).
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-                  "deepseek_v3": "DeepseekV3ForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 def register_model(architecture: str, module: str, class_name: str, model_type: str | None = None) -> None:

@@ -1,10 +1,14 @@
-"""The quantization seam: a linear method owns how one linear layer stores and applies its weight.
+"""The quantization seam: a linear method owns how one linear layer stores and applies its weight,
+and an experts method how the stacked routed experts of a MoE layer store and apply theirs.
 
 A method creates the layer's parameters (each with a `weight_loader` that copies one checkpoint
-tensor, or one shard of a fused projection, into place), post-processes them once every tensor
-is loaded (e.g. quantizes a high-precision weight), and computes the product. A
-`QuantizationConfig` picks the method of each layer by its name, so a checkpoint format is one
-config plus its methods, and `Linear` has no format branches.
+tensor, or one shard of it, into place), post-processes them once every tensor is loaded (e.g.
+quantizes a high-precision weight), and computes the product. A `QuantizationConfig` picks the
+method of each layer by its name, so a checkpoint format is one config plus its methods, and
+`Linear` and `FusedMoE` have no format branches.
+
+Shards: a fused projection's checkpoint tensor i loads as shard i; one expert's projection of
+stacked experts loads as shard (expert, projection), e.g. (5, "gate"); None is the whole parameter.
 """
 
 from __future__ import annotations
@@ -16,8 +20,13 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-WeightLoader = Callable[[nn.Parameter, torch.Tensor, "int | None"], None]
-"""(parameter, checkpoint tensor, shard index or None for the whole parameter)."""
+from tokenmill.errors import ConfigError
+
+Shard = int | tuple[int, str] | None
+"""A fused projection's index, (expert, projection) of stacked experts, or None: the whole parameter."""
+
+WeightLoader = Callable[[nn.Parameter, torch.Tensor, Shard], None]
+"""(parameter, checkpoint tensor, shard)."""
 
 
 class LinearLayer(Protocol):
@@ -57,14 +66,63 @@ class LinearMethod(ABC):
         """The weight the product uses, as float32 [out_features, in_features]."""
 
 
+class ExpertsLayer(Protocol):
+    """What an experts method sees of a MoE layer's routed experts (tokenmill.layers.moe.FusedMoE):
+    num_experts experts of gate/up [2 * intermediate_size, hidden_size] and down [hidden_size,
+    intermediate_size], activation SiLU-and-mul."""
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    method: FusedMoEMethod
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None: ...
+
+    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None: ...
+
+
+class FusedMoEMethod(ABC):
+    """How the routed experts of a MoE layer are stored and applied: every expert's weights stacked
+    in a few parameters, loaded per (expert, projection) shard, multiplied for the selected experts only."""
+
+    name: str
+
+    @abstractmethod
+    def create_weights(self, layer: ExpertsLayer, dtype: torch.dtype, device: torch.device | str | None) -> None:
+        """Register the stacked parameters; their weight loaders take (expert, "gate" | "up" | "down")
+        shards of one expert's checkpoint tensor, and None for an already stacked tensor."""
+
+    def process_weights_after_loading(self, layer: ExpertsLayer) -> None:
+        """Called once after every checkpoint tensor is in place (idempotent)."""
+
+    @abstractmethod
+    def apply(
+        self, layer: ExpertsLayer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+        addend: torch.Tensor | None = None, addend_gate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [T, H] -> [T, H]: sum over j of topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) (float32
+        weights, int32 ids [T, k]), plus addend [T, H] (a shared expert's output), times
+        sigmoid(addend_gate [T, 1]) if given."""
+
+    @abstractmethod
+    def dequantized_weights(self, layer: ExpertsLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [E, 2I, H], w2 [E, H, I]) as float32: the weights the product uses."""
+
+
 class QuantizationConfig(ABC):
-    """A checkpoint format (or an on-load conversion): the linear method of every layer."""
+    """A checkpoint format (or an on-load conversion): the linear method of every layer and the
+    experts method of every MoE layer."""
 
     name: str
 
     @abstractmethod
     def linear_method(self, prefix: str) -> LinearMethod:
         """The method of the linear layer named `prefix` (its module path in the model)."""
+
+    def experts_method(self, prefix: str) -> FusedMoEMethod:
+        """The method of the routed experts named `prefix`; a format without one refuses MoE models."""
+        raise ConfigError(f"quantization {self.name!r} has no method for the routed experts of a MoE layer "
+                          f"({prefix}); run this model unquantized")
 
 
 def set_weight_loader(param: nn.Parameter, loader: WeightLoader, **attrs: Any) -> nn.Parameter:

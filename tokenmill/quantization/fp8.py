@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.numerics import FP8_E4M3, FP8_E4M3_MAX
-from tokenmill.quantization.base import LinearLayer, LinearMethod, QuantizationConfig
-from tokenmill.quantization.unquantized import UnquantizedLinearMethod
+from tokenmill.quantization.base import LinearLayer, LinearMethod
+from tokenmill.quantization.unquantized import Unquantized, UnquantizedLinearMethod
 
 DEQUANT_ROWS = 4096
 """Rows of an FP8 weight widened at once where no kernel reads it (a CPU): a slab of 4096 x K
@@ -69,13 +69,10 @@ def _dequantized_linear(layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class Fp8OnLoad(QuantizationConfig):
+class Fp8OnLoad(Unquantized):
     """Every linear layer (output head too) quantized to FP8 rows as the checkpoint loads."""
 
     name = "fp8"
-
-    def __init__(self, use_triton: bool = False) -> None:
-        self.use_triton = use_triton
 
     def linear_method(self, prefix: str) -> LinearMethod:
         return Fp8RowLinearMethod(self.use_triton)

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.quantization.base import LinearLayer, LinearMethod, QuantizationConfig, set_weight_loader
+from tokenmill.quantization.base import FusedMoEMethod, LinearLayer, LinearMethod, QuantizationConfig, set_weight_loader
+from tokenmill.quantization.unquantized_experts import UnquantizedFusedMoEMethod
 from tokenmill.quantization.weight_loading import output_rows_loader
 
 FMA_ROWS = 1
@@ -61,3 +62,6 @@ class Unquantized(QuantizationConfig):
 
     def linear_method(self, prefix: str) -> LinearMethod:
         return UnquantizedLinearMethod(self.use_triton)
+
+    def experts_method(self, prefix: str) -> FusedMoEMethod:
+        return UnquantizedFusedMoEMethod(self.use_triton)

@@ -1,14 +1,15 @@
-"""Weight loaders shared by the quantization methods: whole tensors and row shards of fused layers."""
+"""Weight loaders shared by the quantization methods: whole tensors, row shards of fused layers,
+and (expert, projection) shards of stacked experts."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.quantization.base import WeightLoader
+from tokenmill.quantization.base import Shard, WeightLoader
 
 
 def copy_checked(dest: torch.Tensor, tensor: torch.Tensor) -> None:
@@ -17,7 +18,7 @@ def copy_checked(dest: torch.Tensor, tensor: torch.Tensor) -> None:
     dest.copy_(tensor)
 
 
-def whole_loader(param: nn.Parameter, tensor: torch.Tensor, shard: int | None) -> None:
+def whole_loader(param: nn.Parameter, tensor: torch.Tensor, shard: Shard) -> None:
     """One checkpoint tensor fills the parameter."""
     if shard is not None:
         raise ModelLoadError(f"shard {shard} of a parameter that takes one checkpoint tensor")
@@ -30,10 +31,38 @@ def output_rows_loader(output_sizes: Sequence[int]) -> WeightLoader:
     sizes = list(output_sizes)
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
 
-    def load(param: nn.Parameter, tensor: torch.Tensor, shard: int | None) -> None:
+    def load(param: nn.Parameter, tensor: torch.Tensor, shard: Shard) -> None:
         if shard is None:
             copy_checked(param.data, tensor)
-        else:
+        elif isinstance(shard, int) and 0 <= shard < len(sizes):
             copy_checked(param.data.narrow(0, offsets[shard], sizes[shard]), tensor)
+        else:
+            raise ModelLoadError(f"shard {shard!r} of a layer fused from {len(sizes)} projections")
 
     return load
+
+
+def stacked_experts_loader(num_experts: int, projections: Mapping[str, tuple[int, int] | None]) -> WeightLoader:
+    """For a parameter stacked over experts along dim 0: shard (e, projection) fills expert e's
+    rows [start, start + rows) along dim 1 (`projections[name] = (start, rows)`), or its whole
+    slice (None); shard None takes an already stacked tensor whole."""
+
+    def load(param: nn.Parameter, tensor: torch.Tensor, shard: Shard) -> None:
+        if shard is None:
+            copy_checked(param.data, tensor)
+            return
+        if not (isinstance(shard, tuple) and shard[1] in projections):
+            raise ModelLoadError(f"shard {shard!r} is not (expert, one of {', '.join(projections)})")
+        expert, projection = shard
+        if not 0 <= expert < num_experts:
+            raise ModelLoadError(f"expert {expert} is out of range: the layer has {num_experts} experts")
+        dest = param.data[expert]
+        rows = projections[projection]
+        copy_checked(dest if rows is None else dest.narrow(0, *rows), tensor)
+
+    return load
+
+
+def stacked_experts_shards(num_experts: int, projections: Sequence[str]) -> list[Shard]:
+    """Every shard a complete per-expert checkpoint fills in a stacked parameter."""
+    return [(expert, projection) for expert in range(num_experts) for projection in projections]

@@ -1,9 +1,11 @@
 """The one way models are made, target and draft alike: construct from a ModelBuild in the
 model's dtype on its device, fill the weights (checkpoint or seeded random), let the
-quantization methods finish, evaluation mode."""
+quantization methods finish, evaluation mode. `model_weight_bytes` sizes a model before that
+(constructed on the meta device), so one that cannot fit is refused before it is allocated."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -20,14 +22,7 @@ def build_model(
     """dummy_seed: seeded random weights of realistic scale instead of the checkpoint's (benchmarks).
     before_processing: a change to make on the loaded weights before quantization methods process
     them (a draft restricts its head to a draft vocabulary there)."""
-    cls = model_class(build.hf_config)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = cls(build)
-    finally:
-        torch.set_default_dtype(default_dtype)
+    model = _construct(build, dtype, device)
     if dummy_seed is not None:
         init_dummy_weights(model, dummy_seed)
     else:
@@ -36,6 +31,25 @@ def build_model(
         before_processing(model)
     model.process_weights_after_loading()
     return model.eval()
+
+
+def model_weight_bytes(build: ModelBuild, dtype: torch.dtype) -> int:
+    """Bytes of the parameters and buffers the model is constructed with (before quantization
+    methods process them: what loading needs at its peak)."""
+    model = _construct(build, dtype, torch.device("meta"))
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _construct(build: ModelBuild, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    cls = model_class(build.hf_config)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return cls(build)
+    finally:
+        torch.set_default_dtype(default_dtype)
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:

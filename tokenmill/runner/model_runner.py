@@ -19,8 +19,8 @@ from tokenmill.numerics import KV_CACHE_DTYPES
 from tokenmill.runner.batch import Chunk, pack
 from tokenmill.runner.cuda_graphs import MAX_CAPTURED_TOKENS, StepGraphs
 from tokenmill.runner.kv_calibration import configure_kv_scales
-from tokenmill.runner.memory import kv_cache_budget
-from tokenmill.runner.model_builder import build_model
+from tokenmill.runner.memory import check_weights_fit, kv_cache_budget
+from tokenmill.runner.model_builder import build_model, model_weight_bytes
 from tokenmill.runner.step_input import StepInput
 from tokenmill.sample import draft_verification
 from tokenmill.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
@@ -85,6 +85,8 @@ class ModelRunner:
         self.build = ModelBuild(hf_config, self.backend, config.model.max_model_len, self.block_size, self.kv_dtype,
                                 self.use_triton)
         dummy = config.model.load_format == "dummy"
+        check_weights_fit(model_weight_bytes(self.build, self.dtype), config, self.device,
+                          kv_cache_bytes=config.cache.kv_cache_bytes)
         self.model = build_model(self.build, source, dtype=self.dtype, device=self.device,
                                  dummy_seed=config.model.seed if dummy else None)
         self.cache_layers = {**self.model.cache_layers(), **(companion_cache_layers or {})}
@@ -93,7 +95,8 @@ class ModelRunner:
         speculative = config.speculative
         self.spec_verification = speculative.verification
         self.accept_all_drafts = config.benchmark_only.accept_all_drafts
-        budget = kv_cache_budget(config, self.device, self._profile_step)
+        weight_bytes = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+        budget = kv_cache_budget(config, self.device, self._profile_step, weight_bytes)
         specs = {name: layer.cache_spec() for name, layer in self.cache_layers.items()}
         self.cache_plan = plan_caches(specs, budget, self.block_size, config.model.max_model_len,
                                       config.scheduler.max_num_seqs)

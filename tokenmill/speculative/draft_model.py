@@ -29,7 +29,8 @@ from tokenmill.numerics import KV_CACHE_DTYPES
 from tokenmill.quantization import Fp8OnLoad
 from tokenmill.runner.batch import Chunk, flat_block_tables, pack_context, slot_of
 from tokenmill.runner.cuda_graphs import StepGraphs
-from tokenmill.runner.model_builder import build_model
+from tokenmill.runner.memory import check_weights_fit
+from tokenmill.runner.model_builder import build_model, model_weight_bytes
 from tokenmill.runner.model_runner import ModelRunner, StepOutput
 from tokenmill.sample.sampler import SamplingMetadata, SamplingRow, processed_probs, row_argmax
 from tokenmill.speculative.draft_vocab import load_draft_vocab
@@ -55,6 +56,7 @@ class DraftModel:
         self.build = ModelBuild(self.hf_config, self.backend, config.model.max_model_len, self.block_size, self.kv_dtype,
                                 use_triton, Fp8OnLoad(use_triton) if spec.quantization == "fp8" else None)
         self.vocab_ids = load_draft_vocab(spec.draft_vocab).to(self.device) if spec.draft_vocab else None
+        check_weights_fit(model_weight_bytes(self.build, self.dtype), config, self.device, "the draft model")
         self.model = build_model(self.build, source, dtype=self.dtype, device=self.device,
                                  dummy_seed=config.model.seed + 1 if dummy else None,
                                  before_processing=self._restrict_head if self.vocab_ids is not None else None)

@@ -1,0 +1,180 @@
+"""Grouped GEMMs over the expert-sorted slots (align.py): prefill and large batches.
+
+    gate-up:  act[p]        = silu(x[token(p)] @ w13[e, :I].T) * (x[token(p)] @ w13[e, I:].T)
+    down:     slot_out[s]   = weight[s] * (act[p] @ w2[e].T)       for the slot s at position p
+
+Each program owns one BLOCK_M-row block of positions (all of one expert: the runs are padded
+to BLOCK_M) and one BLOCK_N strip of the output columns. It finds its expert from the run
+starts, gathers its rows of x by token (gate-up) or reads its rows of act in place (down), and
+multiplies them by the expert's weight strip on the tensor cores. Gate-up accumulates the gate
+and up strips side by side and applies SiLU-and-mul in float32 before its one rounding to the
+activations' dtype; down scales each row by its routing weight before rounding. The grid is
+fixed by the padded capacity (programs past the used blocks return at once), with the row
+block varying fastest, so the blocks of one expert that read the same weight strip run
+together and the strip comes from DRAM about once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels._common import interpreting, mm, next_pow2
+from tokenmill.kernels.moe.align import SlotLayout
+
+
+@dataclass(frozen=True)
+class GroupedTile:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def grouped_tiles(num_slots: int, num_experts: int) -> tuple[GroupedTile, GroupedTile]:
+    """(gate-up tile, down tile) for a batch of num_slots slots, from the mean rows per expert.
+
+    Few rows per expert (decode at batch 17-256, short prefills) is a stream over the selected
+    experts' weights: 16- or 32-row blocks, so little of each block is padding. Many rows is
+    matmul-bound: 64 or 128 rows per block re-use each weight tile that often, 64 x 128
+    accumulators (gate and up strips of 64 each, or a down strip of 128) per warp group, in
+    pipelines of 3-4 stages that fit 2 programs per H200 multiprocessor (<= 96 KB shared)."""
+    if interpreting():
+        return GroupedTile(16, 16, 32, 1, 1), GroupedTile(16, 16, 32, 1, 1)
+    rows = num_slots / num_experts
+    if rows <= 32:
+        block_m = 16 if rows <= 16 else 32
+        return GroupedTile(block_m, 64, 64, 4, 4), GroupedTile(block_m, 128, 64, 4, 4)
+    if rows <= 256:
+        return GroupedTile(64, 64, 64, 4, 4), GroupedTile(64, 128, 64, 4, 4)
+    return GroupedTile(128, 64, 64, 8, 3), GroupedTile(128, 128, 64, 8, 3)
+
+
+@triton.jit
+def _block_rows(starts_ptr, counts_ptr, sorted_ptr, num_experts, pid_m, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(expert, positions, row ok, slots) of row block pid_m; expert = num_experts past the last run."""
+    block_start = pid_m * BLOCK_M
+    experts = tl.arange(0, BLOCK_E)
+    ends = tl.load(starts_ptr + 1 + experts, mask=experts < num_experts, other=1 << 30)
+    expert = tl.sum((ends <= block_start).to(tl.int32), 0)
+    safe = tl.minimum(expert, num_experts - 1)
+    run_end = tl.load(starts_ptr + safe) + tl.load(counts_ptr + safe)
+    positions = block_start + tl.arange(0, BLOCK_M)
+    row_ok = positions < run_end  # past the last run, block_start >= every run's end
+    slots = tl.load(sorted_ptr + positions, mask=row_ok, other=0)
+    return expert, positions, row_ok, slots
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, act_ptr, starts_ptr, counts_ptr, sorted_ptr, num_experts, max_blocks, hidden, inter,
+    stride_xt, stride_we, stride_wn, stride_ap,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_m = pid % max_blocks
+    pid_n = pid // max_blocks
+    expert, positions, row_ok, slots = _block_rows(starts_ptr, counts_ptr, sorted_ptr, num_experts, pid_m,
+                                                   BLOCK_M, BLOCK_E)
+    if expert >= num_experts:
+        return
+    tokens = slots // TOP_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tokens[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
+    gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    up_ptrs = gate_ptrs + inter * stride_wn
+    gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs + k0, mask=row_ok[:, None], other=0.0)
+            wg = tl.load(gate_ptrs + k0, mask=n_ok[None, :], other=0.0)
+            wu = tl.load(up_ptrs + k0, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = k0 + offs_k < hidden
+            x = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            wg = tl.load(gate_ptrs + k0, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            wu = tl.load(up_ptrs + k0, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        gate = mm(x, wg, gate, UPCAST, IEEE)
+        up = mm(x, wu, up, UPCAST, IEEE)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    act_ptrs = act_ptr + positions[:, None].to(tl.int64) * stride_ap + offs_n[None, :]
+    tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, w_ptr, weights_ptr, out_ptr, starts_ptr, counts_ptr, sorted_ptr, num_experts, max_blocks, hidden,
+    inter, stride_ap, stride_we, stride_wn, stride_os,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_m = pid % max_blocks
+    pid_n = pid // max_blocks
+    expert, positions, row_ok, slots = _block_rows(starts_ptr, counts_ptr, sorted_ptr, num_experts, pid_m,
+                                                   BLOCK_M, BLOCK_E)
+    if expert >= num_experts:
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + positions[:, None].to(tl.int64) * stride_ap + offs_k[None, :]
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs + k0, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = k0 + offs_k < inter
+            a = tl.load(a_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = mm(a, w, acc, UPCAST, IEEE)
+    acc = acc * tl.load(weights_ptr + slots, mask=row_ok, other=0.0)[:, None]
+    out_ptrs = out_ptr + slots[:, None].to(tl.int64) * stride_os + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    layout: SlotLayout,
+    top_k: int,
+    tiles: tuple[GroupedTile, GroupedTile],
+) -> torch.Tensor:
+    """slot_out [T * k, H]: each slot's expert output times its routing weight, in x's dtype."""
+    num_experts, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    gate_up_tile, down_tile = tiles
+    if gate_up_tile.block_m != layout.block_m or down_tile.block_m != layout.block_m:
+        raise ValueError(f"the tiles' block_m must be the layout's {layout.block_m}")
+    max_blocks = layout.max_blocks
+    act = torch.empty(layout.sorted_slots.numel(), inter, dtype=x.dtype, device=x.device)
+    slot_out = torch.empty(topk_weights.numel(), hidden, dtype=x.dtype, device=x.device)
+    common = dict(UPCAST=interpreting() and x.dtype != torch.float32, IEEE=x.dtype == torch.float32,
+                  BLOCK_E=next_pow2(num_experts))
+    t = gate_up_tile
+    _gate_up_kernel[(max_blocks * triton.cdiv(inter, t.block_n),)](
+        x, w13, act, layout.starts, layout.counts, layout.sorted_slots, num_experts, max_blocks, hidden, inter,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOP_K=top_k, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, EVEN_K=hidden % t.block_k == 0,
+        num_warps=t.num_warps, num_stages=t.num_stages, **common,
+    )
+    t = down_tile
+    _down_kernel[(max_blocks * triton.cdiv(hidden, t.block_n),)](
+        act, w2, topk_weights, slot_out, layout.starts, layout.counts, layout.sorted_slots, num_experts, max_blocks,
+        hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), slot_out.stride(0),
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, EVEN_K=inter % t.block_k == 0,
+        num_warps=t.num_warps, num_stages=t.num_stages, **common,
+    )
+    return slot_out
