@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.numerics import FP8_E4M3, FP8_E4M3_MAX
-from tokenmill.quantization.base import LinearLayer, LinearMethod
+from tokenmill.quantization.base import LinearLayer, LinearMethod, QuantizationConfig
 from tokenmill.quantization.unquantized import Unquantized, UnquantizedLinearMethod
 
 DEQUANT_ROWS = 4096
@@ -76,6 +76,8 @@ class Fp8OnLoad(Unquantized):
 
     def linear_method(self, prefix: str) -> LinearMethod:
         return Fp8RowLinearMethod(self.use_triton)
+
+    experts_method = QuantizationConfig.experts_method  # no FP8 experts yet: MoE models are refused
 
 
 def quantize_fp8_(module: nn.Module) -> int:
