@@ -1,21 +1,22 @@
 """DeepSeek-V2-Lite-shaped MLA model through tokenmill.LLM on one GPU, beside the roofline and the
 copy bandwidth measured in the same run.
 
-    python benchmarks/mla_engine_bench.py [--tokens 128] [--json out.json]
+    python benchmarks/mla_engine_bench.py [--dense] [--tokens 128] [--json out.json]
     python benchmarks/mla_engine_bench.py --smoke   # tiny, on CPU: checks the script
 
-The model: V2-Lite's attention (27 layers, hidden 2048, 16 heads, no q LoRA, latent 512 + rope
-64, q/k head 192, v head 128, YaRN factor 40), random weights (load_format=dummy), but DENSE MLPs
-of the shared + active-expert width (2 shared + 6 routed experts x 1408 = 11264) in every layer,
-since tokenmill's MoE layer is not integrated yet: a decode step reads the bytes V2-Lite's active
-parameters take (its first, dense layer is 10944 wide in the real model), not through MoE kernels.
+The model: DeepSeek-V2-Lite's shape (27 layers, hidden 2048, 16 heads, no q LoRA, latent 512 +
+rope 64, q/k head 192, v head 128, YaRN factor 40; layer 0 a dense MLP of 10944, then 64 routed
+experts of 1408 top-6 softmax-greedy + 2 shared), random weights (load_format=dummy). --dense:
+DENSE MLPs of the shared + active-expert width (2 + 6) x 1408 = 11264 in every layer instead,
+the same bytes per decode step without the MoE kernels.
 
 1. Check at the real shape: the engine's logits through the Triton MLA kernels against the same
    weights through the PyTorch MLA reference backend, after a 300-token prefill (up-projected
    path) and after a 13-token chunk behind a prefix-cache hit (absorbed path).
 2. Batch-1 decode (engine tok/s, CUDA graphs) at 128 tokens of context (bf16 latent) and at 32k
-   (FP8 latent), against the roofline copy bandwidth / (active weight bytes + latent bytes read);
-   the captured decode step's device time beside it.
+   (FP8 latent), against the roofline copy bandwidth / (active weight bytes + latent bytes read),
+   the active bytes being every weight but the embedding table (one row) and the 58 routed
+   experts per MoE layer a token does not select; the captured decode step's device time beside it.
 3. Speculative verification: the captured (1 + 4)-token verify step against the 1-token step at
    batch 1 (device time, FP8 latent), at 512 and 32k of context.
 """
@@ -37,34 +38,43 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.kv.planner import bytes_per_block  # noqa: E402
+from tokenmill.layers.moe import SparseMoeBlock  # noqa: E402
 
-V2_LITE_DENSE = {
+V2_LITE = {
     "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
-    "hidden_size": 2048, "intermediate_size": (2 + 6) * 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+    "hidden_size": 2048, "intermediate_size": 10944, "num_hidden_layers": 27, "num_attention_heads": 16,
     "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64, "v_head_dim": 128, "first_k_dense_replace": 27, "n_routed_experts": 64,
-    "n_shared_experts": 2, "moe_intermediate_size": 1408, "num_experts_per_tok": 6, "max_position_embeddings": 163840,
-    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 100000,
-    "eos_token_id": 100001,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+    "n_routed_experts": 64, "n_shared_experts": 2, "moe_intermediate_size": 1408, "num_experts_per_tok": 6,
+    "topk_method": "greedy", "n_group": 1, "topk_group": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+    "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "bos_token_id": 100000, "eos_token_id": 100001,
     "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
                      "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
     "rope_theta": 10000,
 }
-TINY = {**V2_LITE_DENSE, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+V2_LITE_DENSE = {**V2_LITE, "intermediate_size": (2 + 6) * 1408, "first_k_dense_replace": 27}
+TINY = {**V2_LITE, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 2, "bos_token_id": 0, "eos_token_id": 1,
-        "rope_scaling": {**V2_LITE_DENSE["rope_scaling"], "original_max_position_embeddings": 64},
+        "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 24, "bos_token_id": 0, "eos_token_id": 1,
+        "rope_scaling": {**V2_LITE["rope_scaling"], "original_max_position_embeddings": 64},
         "max_position_embeddings": 2560}
 GAMMA = 4
 LONG = 32768
 
 
 def active_weight_bytes(llm: LLM) -> int:
-    """Every parameter but the embedding table, of which a decode step reads one row."""
+    """What one token's decode step reads of the weights: every parameter but the embedding table
+    (one row of it) and the routed experts it does not select (top_k of each MoE layer's)."""
     model = llm.engine.runner.model
     table = model.model.embed_tokens.weight
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    return total - table.numel() * table.element_size() + table.shape[1] * table.element_size()
+    unselected = 0
+    for block in (m for m in model.modules() if isinstance(m, SparseMoeBlock)):
+        experts = sum(p.numel() * p.element_size() for p in block.experts.parameters())
+        unselected += experts * (block.routing.num_experts - block.routing.top_k) // block.routing.num_experts
+    return total - unselected - table.numel() * table.element_size() + table.shape[1] * table.element_size()
 
 
 def latent_bytes(llm: LLM, context: int) -> float:
@@ -106,6 +116,8 @@ def check(model_dir: str, common: dict, device: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=128, help="decoded tokens per timed run")
+    parser.add_argument("--dense", action="store_true",
+                        help="dense MLPs of the shared + active-expert width instead of V2-Lite's MoE layers")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (the check only)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
     args = parser.parse_args()
@@ -120,10 +132,14 @@ def main() -> None:
         rows.append((name, f"{value:,.2f} {unit}", ratio))
         print(f"{name:<58} {value:>12,.2f} {unit:<8} {ratio}", flush=True)
 
-    print("model: DeepSeek-V2-Lite attention shape with DENSE MLPs of the shared + active-expert width "
-          f"({V2_LITE_DENSE['intermediate_size']}) in all 27 layers (tokenmill's MoE is not integrated yet)", flush=True)
+    config = TINY if args.smoke else V2_LITE_DENSE if args.dense else V2_LITE
+    if args.dense:
+        print("model: DeepSeek-V2-Lite attention shape with DENSE MLPs of the shared + active-expert width "
+              f"({V2_LITE_DENSE['intermediate_size']}) in all 27 layers, not its MoE layers", flush=True)
+    else:
+        print("model: DeepSeek-V2-Lite shape (MLA; layer 0 dense, then 64 routed experts top-6 + 2 shared)", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(TINY if args.smoke else V2_LITE_DENSE))
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
         common = dict(device=device, load_format="dummy", dtype="float32" if args.smoke else "bfloat16",
                       max_model_len=LONG + 1024 if not args.smoke else 512, max_num_seqs=4,
                       kv_cache_bytes=(4 << 30) if not args.smoke else (1 << 24))

@@ -1,5 +1,5 @@
-"""Tiny random DeepSeek-V2 / V3 checkpoints (every layer dense: first_k_dense_replace equals the
-layer count, a valid DeepSeek config whose transformers reference needs no MoE)."""
+"""Tiny random DeepSeek-V2 / V3 checkpoints: all layers dense (first_k_dense_replace equals the
+layer count), or a dense first layer then MoE layers with DeepSeek's routing."""
 
 from __future__ import annotations
 
@@ -18,9 +18,20 @@ V2_LITE_YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embe
                 "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0}
 
 
+# Layer 0 dense, layer 1 MoE: 8 routed experts in 4 groups, the best 2 groups eligible, top-3 plus
+# one shared expert. V2 routes softmax group-limited; V3 sigmoid with the correction bias, groups
+# ranked by their two best scores, renormalised, then scaled.
+MOE = dict(first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+           n_shared_experts=1, moe_intermediate_size=24)
+
+
 def deepseek_config(name: str, **changes: object) -> PretrainedConfig:
     """v2: no q LoRA, YaRN, MLP bias. v3: q LoRA, interleaved rope, attention bias. v3-neox: q
-    LoRA, rotate-half rope, the head tied to the embedding."""
+    LoRA, rotate-half rope, the head tied to the embedding. v2-moe / v3-moe: v2 / v3 with MOE."""
+    if name == "v2-moe":
+        return deepseek_config("v2", **MOE, topk_method="group_limited_greedy", routed_scaling_factor=1.5, **changes)
+    if name == "v3-moe":
+        return deepseek_config("v3", **MOE, norm_topk_prob=True, routed_scaling_factor=2.5, **changes)
     if name == "v2":
         config = DeepseekV2Config(**SHAPE, q_lora_rank=None, max_position_embeddings=2560, rope_parameters=V2_LITE_YARN,
                                   mlp_bias=True, tie_word_embeddings=False)
@@ -50,5 +61,8 @@ def save_deepseek_checkpoint(config: PretrainedConfig, directory: Path, seed: in
                 p.normal_(1.0, 0.1)
             else:
                 p.normal_(0.0, 0.08)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # V3's: steers selection only
+                buffer.normal_(0.0, 0.1)
     model.save_pretrained(directory)
     return model.eval()

@@ -1,4 +1,4 @@
-"""DeepSeek-V2 / V3 through the engine (float32, CPU): greedy output equals transformers' for
+"""DeepSeek-V2 / V3 (and V3 with MoE layers) through the engine (float32, CPU): greedy output equals transformers' for
 prompts of 5-300 tokens run alone and together under chunked prefill, prefix-cache hits and
 preemption (latent blocks shared, reused and recomputed), and with speculation on (n-gram, the
 target drafting for itself, its FP8 copy, a smaller DeepSeek-V3 whose latent rows are narrower
@@ -14,6 +14,7 @@ from deepseek_models import deepseek_config, save_deepseek_checkpoint
 from transformers import PretrainedConfig
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.errors import ConfigError
 from tokenmill.layers.attention.mla import ABSORBED_MAX_QUERY_LEN, MLAAttention
 
 BLOCK_SIZE = 4
@@ -42,7 +43,7 @@ def prompts() -> list[list[int]]:
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["v2", "v3"])
+@pytest.fixture(scope="module", params=["v2", "v3", "v3-moe"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
     """(checkpoint, transformers' greedy continuation of every prompt)."""
     path = tmp_path_factory.mktemp(f"deepseek-{request.param}")
@@ -93,6 +94,10 @@ def test_speculation_keeps_greedy_output_and_verifies_through_the_absorbed_path(
         spec["quantization"] = "fp8"  # its kv_b_proj too: absorbed from a dequantized copy
     if drafter == "small_draft_model":
         spec["model"] = str(path / "small-draft")
+    if drafter == "fp8_draft_model" and path.name.startswith("deepseek-v3-moe"):
+        with pytest.raises(ConfigError, match="no method for the routed experts"):  # no FP8 experts yet
+            pressed_engine(path, spec)
+        return
     llm = pressed_engine(path, spec)
     assert llm.engine.kv.num_blocks == NUM_BLOCKS
     calls: list[tuple[str, bool, list[int]]] = []  # (path, in a step that verifies drafts, query runs)

@@ -1,7 +1,7 @@
 """DeepSeek-V2 / V3 against transformers (float32, CPU; bf16 on CUDA): logits of chunked prefill
-(absorbed and up-projected chunks) and of every decode step; the MoE seam fails closed; V3's
-multi-token-prediction layers are skipped on load; the FP8 latent cache takes its scale from the
-checkpoint or from calibration."""
+(absorbed and up-projected chunks) and of every decode step, all-dense and with MoE layers (V2's
+and V3's routing); V3's multi-token-prediction layers are skipped on load; the FP8 latent cache
+takes its scale from the checkpoint or from calibration."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ from parity import TARGETS, check_parity, rel_err, tolerance
 from safetensors.torch import load_file, save_file
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.errors import ConfigError, ModelLoadError
+from tokenmill.errors import ModelLoadError
 from tokenmill.kv.specs import LatentAttentionSpec
 from tokenmill.layers.attention.mla import MLAAttention
+from tokenmill.layers.mlp import GatedMLP
+from tokenmill.layers.moe import SparseMoeBlock
 from tokenmill.models.deepseek import is_moe_layer
 from tokenmill.numerics import FP8_E4M3_MAX
 from tokenmill.quantization.kv_scales import CALIBRATION_TARGET
@@ -36,8 +38,10 @@ def random_prompt(length: int, seed: int = 1) -> list[int]:
 @pytest.mark.parametrize(("device", "dtype"), TARGETS)
 @pytest.mark.parametrize(
     ("name", "length", "budget"),
-    [("v2", 300, 64), ("v2", 23, 6), ("v3", 5, 64), ("v3", 150, 13), ("v3-neox", 37, 16)],
-    ids=["v2-300-up-projected-chunks", "v2-23-tiny-chunks", "v3-5", "v3-150-absorbed-chunks", "v3-neox-tied-37"],
+    [("v2", 300, 64), ("v2", 23, 6), ("v3", 5, 64), ("v3", 150, 13), ("v3-neox", 37, 16), ("v2-moe", 100, 32),
+     ("v3-moe", 60, 16)],
+    ids=["v2-300-up-projected-chunks", "v2-23-tiny-chunks", "v3-5", "v3-150-absorbed-chunks", "v3-neox-tied-37",
+         "v2-moe-grouped-softmax-100", "v3-moe-sigmoid-bias-60"],
 )
 def test_logits_match_transformers(name: str, length: int, budget: int, device: str, dtype: str,
                                    tmp_path: Path) -> None:
@@ -52,13 +56,15 @@ def test_logits_match_transformers(name: str, length: int, budget: int, device: 
     check_parity(llm, hf_model, prompt, steps=20, tol=tolerance(hf_model, prompt, dtype))
 
 
-def test_moe_layers_fail_closed_until_the_moe_block_exists(tmp_path: Path) -> None:
-    config = deepseek_config("v3", first_k_dense_replace=1)
+def test_moe_layers_follow_first_k_dense_replace_and_moe_layer_freq(tmp_path: Path) -> None:
+    config = deepseek_config("v3-moe", num_hidden_layers=4)
     config.save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match=r"layer 1 is a mixture-of-experts layer .*SparseMoeBlock"):
-        LLM(str(tmp_path), device="cpu", load_format="dummy", kv_cache_bytes=1 << 22)
-    assert [is_moe_layer(config, i) for i in range(4)] == [False, True, True, True]
-    config.moe_layer_freq = 2
+    model = LLM(str(tmp_path), device="cpu", load_format="dummy", kv_cache_bytes=1 << 22).engine.runner.model
+    assert [type(layer.mlp) for layer in model.model.layers] == [GatedMLP] + [SparseMoeBlock] * 3
+    routing = model.model.layers[1].mlp.routing
+    assert (routing.scoring, routing.group_score, routing.has_correction_bias) == ("sigmoid", "top2_sum", True)
+    assert (routing.n_group, routing.topk_group, routing.routed_scaling_factor) == (4, 2, 2.5)
+    config.moe_layer_freq = 2  # DeepSeek's own code also skips every other layer
     assert [is_moe_layer(config, i) for i in range(4)] == [False, False, True, False]
     config.n_routed_experts = 0
     assert not any(is_moe_layer(config, i) for i in range(4))

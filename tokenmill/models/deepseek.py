@@ -1,16 +1,16 @@
 """DeepSeek-V2 / V3 (and Moonlight, a V3 config): multi-head latent attention over a paged latent
 cache (tokenmill.layers.attention.mla), then a dense MLP or DeepSeek's MoE per layer.
 
-Parameters carry Hugging Face names except the dense MLP's fused gate_up_proj (`PACKED`).
+Parameters carry Hugging Face names except the fused gate_up_proj and the stacked experts
+(`packed`: the dense MLP's, then tokenmill.layers.moe's).
 Rotary: V2 always rotates interleaved pairs; V3 as its `rope_interleave` says (neox halves when
 false). YaRN with mscale changes the softmax scale (mla_softmax_scale).
 
 Layer i's MLP is an MoE block when the config has routed experts, i >= first_k_dense_replace
 and i % moe_layer_freq == 0 (DeepSeek's own rule; transformers' omits moe_layer_freq, which is
-1 in every released config). The MoE block is `make_mlp`'s to build (and its checkpoint names
-`packed`'s to map): until tokenmill.layers.moe provides DeepSeek's routing (grouped top-k,
-sigmoid scores + correction bias, routed scaling, shared experts), a config with an MoE layer
-fails at construction, naming what is missing.
+1 in every released config): tokenmill.layers.moe's SparseMoeBlock with DeepSeek's routing (V2:
+softmax, greedy or group-limited top-k; V3: sigmoid with the correction bias, grouped top-k by
+the two best scores of a group), routed scaling and n_shared_experts ungated shared experts.
 V3's multi-token-prediction layers (`model.layers.{N}` and beyond, N = num_hidden_layers) are not
 part of the forward: their tensors are skipped on load.
 """
@@ -25,15 +25,16 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from tokenmill.errors import ConfigError
 from tokenmill.layers.attention.mla import MLAAttention
 from tokenmill.layers.attention.mla_backends import mla_backend
 from tokenmill.layers.attention.mla_rotary import RopeStyle
 from tokenmill.layers.linear import Linear
-from tokenmill.layers.mlp import GatedMLP
+from tokenmill.layers.moe import PACKED as MOE_PACKED
+from tokenmill.layers.moe import SparseMoeBlock
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.step_context import StepContext
 from tokenmill.models.interface import CausalLM, ModelBuild
+from tokenmill.models.llama import dense_mlp
 from tokenmill.models.weights import PackedModules, load_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -52,17 +53,6 @@ def is_moe_layer(config: PretrainedConfig, index: int) -> bool:
 
 MlpFactory = Callable[[ModelBuild, int, str], nn.Module]
 """(build, layer index, module path) -> the layer's MLP."""
-
-
-def missing_moe(config: PretrainedConfig, index: int) -> ConfigError:
-    return ConfigError(
-        f"{type(config).__name__.removesuffix('Config')} layer {index} is a mixture-of-experts layer "
-        f"(n_routed_experts={config.n_routed_experts}, first_k_dense_replace={getattr(config, 'first_k_dense_replace', None)}"
-        f", moe_layer_freq={getattr(config, 'moe_layer_freq', 1)}), and DeepSeek's MoE block (tokenmill.layers.moe "
-        "SparseMoeBlock: grouped top-k routing, sigmoid scores with a correction bias, routed scaling, shared experts) "
-        "is not in tokenmill yet; only configs whose layers are all dense run (first_k_dense_replace >= "
-        "num_hidden_layers)"
-    )
 
 
 class DecoderLayer(nn.Module):
@@ -109,7 +99,7 @@ class DeepseekModel(nn.Module):
 
 
 class DeepseekV2ForCausalLM(CausalLM):
-    packed: PackedModules = PACKED
+    packed: PackedModules = {**PACKED, **MOE_PACKED}
 
     @staticmethod
     def rope_style(config: PretrainedConfig) -> RopeStyle:
@@ -118,11 +108,9 @@ class DeepseekV2ForCausalLM(CausalLM):
     def make_mlp(self, build: ModelBuild, index: int, prefix: str) -> nn.Module:
         """Layer `index`'s MLP: dense of intermediate_size, or DeepSeek's MoE block (routed experts
         of moe_intermediate_size plus n_shared_experts shared ones, all reading the same input)."""
-        config = build.hf_config
-        if is_moe_layer(config, index):
-            raise missing_moe(config, index)
-        return GatedMLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)),
-                        build.quant, prefix, build.use_triton)
+        if is_moe_layer(build.hf_config, index):
+            return SparseMoeBlock(build.hf_config, prefix, quant=build.quant, use_triton=build.use_triton)
+        return dense_mlp(build, prefix)
 
     def __init__(self, build: ModelBuild) -> None:
         super().__init__(build)
