@@ -18,10 +18,12 @@ from tokenmill.errors import ConfigError, ModelLoadError
 from tokenmill.layers.mlp import GatedMLP
 from tokenmill.layers.moe import SparseMoeBlock
 
-# transformers 5.17 (the GPU machine) may predate Qwen2-MoE's qkv_bias switch: the default there.
-GPU_ARCHS = ["qwen3_moe", "qwen3_moe-mlp-only-top3", "qwen2_moe"]
-CASES = ([pytest.param(arch, "cpu", "float32", id=f"{arch}-cpu-fp32") for arch in TINY_MOE_CONFIGS]
-         + [pytest.param(arch, "cuda", "bfloat16", id=f"{arch}-cuda-bf16", marks=pytest.mark.gpu) for arch in GPU_ARCHS])
+# Model parity runs in float32 on the CPU, where it is exact. In bf16 a tiny random router's top-k
+# flips at near-ties, so a bf16 decode step may pick other experts than float32's (seen on the
+# H200: 2 of 3 models, errors of 0.1-0.3 at single steps); on the GPU the MoE layer is checked
+# against the float32 reference at real shapes (benchmarks/moe_gpu_bench.py, kernel tests) and
+# graph decoding against eager decoding (below).
+CASES = [pytest.param(arch, "cpu", "float32", id=f"{arch}-cpu-fp32") for arch in TINY_MOE_CONFIGS]
 
 
 def moe_llm(path: Path, device: str = "cpu", dtype: str = "float32", **overrides) -> LLM:
