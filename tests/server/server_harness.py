@@ -68,7 +68,8 @@ def serve_state(state: Any, engine: Any, *, shutdown_engine: bool = True, **app_
     from tokenmill.server.app import build_app
     from tokenmill.server.http_limits import TokenmillH11Protocol
 
-    app = build_app(state, shutdown_engine=shutdown_engine, **{"max_request_bytes": MAX_REQUEST_BYTES, **app_options})
+    limits = {"max_request_bytes": MAX_REQUEST_BYTES, "max_header_bytes": MAX_HEADER_BYTES}
+    app = build_app(state, shutdown_engine=shutdown_engine, **{**limits, **app_options})
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            timeout_graceful_shutdown=30, access_log=False, http=TokenmillH11Protocol,
@@ -114,14 +115,16 @@ class ServerProcess:
             return f.read()
 
 
-def spawn_server(args: list[str], log_path: str, *, timeout: float = 240) -> ServerProcess:
-    """`python -m tokenmill.cli serve ARGS` on a free port; waits for /health."""
-    port = free_port()
+def spawn_server(args: list[str], log_path: str, *, timeout: float = 240, launcher: list[str] | None = None,
+                 port: int | None = None) -> ServerProcess:
+    """`python -m tokenmill.cli serve ARGS` on a free port (or `python LAUNCHER... serve ARGS`);
+    waits for /health."""
+    port = port or free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    command = launcher or ["-m", "tokenmill.cli"]
     with open(log_path, "w", encoding="utf-8") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenmill.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-             "--device", "cpu", *args],
+            [sys.executable, *command, "serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", *args],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )
     running = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)

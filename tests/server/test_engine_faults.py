@@ -195,3 +195,30 @@ def test_a_clean_drain_cuts_nothing() -> None:
 
     assert asyncio.run(run()) == 0
     async_engine.shutdown()
+
+
+def test_health_answers_503_once_the_engine_is_dead() -> None:
+    """Over HTTP (the stand-in engine behind the real app): failed steps are 500s, the step that
+    kills the engine a 503, and /health says 503 from then on (serve exits 70: test_serve_lifecycle)."""
+    import httpx
+    from server_harness import serve_state
+
+    from tokenmill.server.app import create_state
+    from tokenmill.server.engine_client import ModelInfo
+    from tokenmill.server.metrics import ServerMetrics
+
+    engine = ScriptedEngine()
+    async_engine = AsyncEngine(engine)
+    async_engine._model_info = ModelInfo("scripted", "scripted", 64, 1000, None)  # it has no checkpoint
+    running = serve_state(create_state(async_engine, metrics=ServerMetrics("scripted")), engine)
+    try:
+        assert httpx.get(f"{running.url}/health").status_code == 200
+        async_engine.before_step = lambda: (_ for _ in ()).throw(RuntimeError("sticky device fault"))
+        statuses = [httpx.post(f"{running.base_url}/completions", json={"prompt": [1, 2], "max_tokens": 2}).status_code
+                    for _ in range(MAX_CONSECUTIVE_STEP_FAILURES)]
+        assert statuses == [500] * (MAX_CONSECUTIVE_STEP_FAILURES - 1) + [503]
+        health = httpx.get(f"{running.url}/health")
+        assert health.status_code == 503 and "in a row" in health.json()["error"]["message"]
+        assert httpx.post(f"{running.base_url}/completions", json={"prompt": [1], "max_tokens": 1}).status_code == 503
+    finally:
+        running.stop()

@@ -6,10 +6,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import secrets
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
+import pydantic_core
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -21,8 +23,8 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.server.access_log import AccessLogMiddleware
 from tokenmill.server.async_engine import AsyncEngine
 from tokenmill.server.chat import ChatRenderer, load_chat_template
-from tokenmill.server.engine_client import ERROR_STATUS, EngineBusyError, EngineClient
-from tokenmill.server.http_limits import BodyLimitMiddleware
+from tokenmill.server.engine_client import ERROR_STATUS, EngineBusyError, EngineClient, SteppableEngine
+from tokenmill.server.http_limits import BodyLimitMiddleware, HeaderLimitMiddleware
 from tokenmill.server.metrics import CONTENT_TYPE, ServerMetrics
 from tokenmill.server.prompt_tokenizer import PromptTokenizer
 from tokenmill.server.protocol import (
@@ -39,6 +41,7 @@ from tokenmill.server.protocol import (
     TokenizeChatRequest,
     TokenizeRequest,
     TokenizeResponse,
+    UserMessage,
 )
 from tokenmill.server.reasoning import ReasoningParser
 from tokenmill.server.request_log import RequestLog
@@ -57,7 +60,15 @@ from tokenmill.server.validation import clip, find_lone_surrogate, may_hold_surr
 logger = logging.getLogger(__name__)
 
 PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
-DEFAULT_TOKENIZER_WORKERS = 2
+
+
+def default_tokenizer_workers() -> int:
+    """One core is left to the event loop (and the engine thread): tokenizing on every core
+    starves the loop that answers /health."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(4, cores - 1))
+
+
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid request"},
     401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
@@ -76,7 +87,7 @@ def _stream_doc(model: type) -> dict[int | str, dict[str, Any]]:
         "then `data: [DONE]`"}}}}, **_ERRORS}
 
 
-def state_for_engine(engine: Any, *, max_waiting_requests: int | None = None, **options: Any) -> ServerState:
+def state_for_engine(engine: SteppableEngine, *, max_waiting_requests: int | None = None, **options: Any) -> ServerState:
     """The usual composition: an AsyncEngine (the engine client) around a loaded LLMEngine,
     feeding the server's metrics. `options` are create_state's."""
     names = options.get("served_model_names") or [engine.model_name]
@@ -89,7 +100,7 @@ def create_state(
     engine: EngineClient, *, metrics: ServerMetrics, served_model_names: list[str] | None = None,
     chat_template: str | None = None, tool_call_parser: str = "auto", reasoning_parser: str | None = None,
     api_key: str | None = None, trust_request_chat_template: bool = False, request_log_dir: str | None = None,
-    request_timeout: float | None = None, tokenizer_workers: int = DEFAULT_TOKENIZER_WORKERS,
+    request_timeout: float | None = None, tokenizer_workers: int | None = None,
 ) -> ServerState:
     """Server state over an engine client; `metrics` must be the sink the client reports to."""
     info = engine.model_info
@@ -98,12 +109,16 @@ def create_state(
     template = renderer.chat_template if renderer is not None else None
     parser_name = detect_tool_parser(template) if tool_call_parser == "auto" else tool_call_parser
     get_tool_parser(parser_name)  # fail at start-up on an unknown name
+    if renderer is not None:
+        with contextlib.suppress(Exception):  # compiles the template now, not in the first request
+            renderer.render([UserMessage(role="user", content="Hi")])
     return ServerState(
         engine=engine, tokenizer=tokenizer, model_names=list(served_model_names or [info.name]),
         model_root=info.root, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
         renderer=renderer, tool_parser=parser_name,
         reasoning=ReasoningParser(reasoning_parser) if reasoning_parser else None,
-        metrics=metrics, prompts=PromptTokenizer(tokenizer, tokenizer_workers), api_key=api_key,
+        metrics=metrics, prompts=PromptTokenizer(tokenizer, tokenizer_workers or default_tokenizer_workers()),
+        api_key=api_key,
         trust_request_chat_template=trust_request_chat_template,
         request_log=RequestLog(request_log_dir) if request_log_dir else None, request_timeout=request_timeout,
     )
@@ -128,27 +143,47 @@ class _ApiKeyMiddleware:
 
 
 class _CheckedRoute(APIRoute):
-    """Refuses a JSON body with a lone surrogate in any string, naming the field, before the
-    request model is validated (pydantic would accept it; a tokenizer or hash would not)."""
+    """Parses a JSON body on the worker pool (a large body then never holds up the event loop),
+    and refuses one with a lone surrogate in any string, naming the field, before the request
+    model is validated (pydantic would accept it; a tokenizer or a hash would not)."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
 
         async def checked(request: Request) -> Response:
-            if request.method == "POST" and may_hold_surrogates(await request.body()):
+            body = await request.body()
+            if request.method == "POST" and body:
+                state: ServerState = request.app.state.tokenmill
                 try:
-                    value = await request.json()
+                    value = await state.prompts.run(_parse_json, body)
                 except (ValueError, RecursionError):
-                    value = None  # FastAPI answers the malformed body itself
-                found = find_lone_surrogate(value)
-                if found is not None:
-                    where, index = found
-                    raise APIError(f"{where}: the text is not valid Unicode (a lone UTF-16 surrogate at character "
-                                   f"{index}; send whole characters, or escape both halves of a pair)", 400,
-                                   param=where)
+                    pass  # FastAPI parses it again and answers the malformed body itself
+                else:
+                    request._json = value  # Starlette's cache of request.json(), which FastAPI reads
+                    if isinstance(value, _LoneSurrogate):
+                        raise APIError(f"{value.where}: the text is not valid Unicode (a lone UTF-16 surrogate at "
+                                       f"character {value.index}; send whole characters, or escape both halves of "
+                                       "a pair)", 400, param=value.where)
             return await handler(request)
 
         return checked
+
+
+class _LoneSurrogate:
+    def __init__(self, where: str, index: int) -> None:
+        self.where, self.index = where, index
+
+
+def _parse_json(body: bytes) -> Any:
+    try:
+        value = pydantic_core.from_json(body)  # a few times faster than json.loads; refuses lone surrogates
+    except ValueError:
+        value = json.loads(body)  # which takes them, to be found and named below (or raises)
+    if may_hold_surrogates(body):
+        found = find_lone_surrogate(value)
+        if found is not None:
+            return _LoneSurrogate(*found)
+    return value
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -188,7 +223,7 @@ def _serve_exact_openapi(app: FastAPI, state: ServerState) -> None:
 
 
 def build_app(state: ServerState, *, shutdown_engine: bool = True, max_request_bytes: int | None = None,
-              access_log: bool = False) -> FastAPI:
+              max_header_bytes: int | None = None, access_log: bool = False) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
@@ -207,6 +242,8 @@ def build_app(state: ServerState, *, shutdown_engine: bool = True, max_request_b
         app.add_middleware(_ApiKeyMiddleware, api_key=state.api_key)
     if max_request_bytes is not None:
         app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
+    if max_header_bytes is not None:
+        app.add_middleware(HeaderLimitMiddleware, max_bytes=max_header_bytes)
     if access_log:
         app.add_middleware(AccessLogMiddleware)  # added last: outermost, it sees every answer
     _add_error_handlers(app)

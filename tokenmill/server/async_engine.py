@@ -17,18 +17,16 @@ recovery itself raises, or when the thread's own bookkeeping raises.
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.engine_client import (
     END_OF_STREAM,
     ChildRequest,
@@ -37,12 +35,14 @@ from tokenmill.server.engine_client import (
     EngineHealth,
     ModelInfo,
     RequestCutError,
+    RequestMetricsSink,
     RequestStream,
     StepFailedError,
+    SteppableEngine,
+    model_info_of,
 )
 
 if TYPE_CHECKING:
-    from tokenmill.config import EngineConfig
     from tokenmill.engine.engine import EngineStats
 
 __all__ = ["AsyncEngine", "ChildRequest", "EngineDeadError", "RequestStream", "SteppableEngine"]
@@ -51,42 +51,6 @@ logger = logging.getLogger(__name__)
 
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 RETRY_AFTER_S = 1  # what a refused request is told to wait (the queue moves at the engine's pace)
-
-
-class SteppableEngine(Protocol):
-    """What AsyncEngine needs of the engine it steps (LLMEngine, or a stand-in in tests; the
-    model attributes are read once, when the server first asks for `model_info`)."""
-
-    model_name: str
-    tokenizer: Any
-    hf_config: Any
-    source: Any
-    config: EngineConfig
-
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    priority: int = 0, cache_salt: str | None = None) -> None: ...
-
-    def abort_request(self, request_id: str) -> None: ...
-
-    def abort_failed_step(self) -> list[str]: ...
-
-    def has_unfinished_requests(self) -> bool: ...
-
-    @property
-    def num_waiting(self) -> int: ...
-
-    def step(self) -> list[RequestOutput]: ...
-
-    def stats(self) -> Any: ...
-
-
-class RequestMetricsSink(Protocol):
-    def on_request_finished(
-        self, finish_reason: str, arrival: float, first_token: float | None, end: float,
-        num_prompt_tokens: int, num_generation_tokens: int,
-    ) -> None: ...
-
-    def on_tokens(self, now: float, previous: float | None, arrival: float) -> None: ...
 
 
 @dataclass
@@ -102,20 +66,6 @@ class _Child:
 
 class _EngineCannotContinue(RuntimeError):
     pass
-
-
-def model_info_of(engine: SteppableEngine) -> ModelInfo:
-    """The served facts of a loaded LLMEngine; the tokenizer is the server's own copy (the engine
-    thread detokenizes with the engine's)."""
-    tokenizer = engine.tokenizer
-    try:
-        tokenizer = copy.deepcopy(tokenizer)
-    except Exception:  # noqa: BLE001 - a tokenizer that cannot be copied is shared
-        pass
-    vocab = getattr(engine.hf_config, "vocab_size", None) or (len(tokenizer) if tokenizer is not None else 0)
-    source = engine.source
-    root = str(getattr(source, "gguf_file", None) or getattr(source, "path", None) or engine.model_name)
-    return ModelInfo(engine.model_name, root, engine.config.model.max_model_len, int(vocab), tokenizer)
 
 
 class AsyncEngine:

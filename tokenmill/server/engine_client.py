@@ -14,6 +14,7 @@ first byte, or as a final `data: {"error": ...}` event of a stream.
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
     from tokenmill.engine.engine import EngineStats
 
 
@@ -229,3 +231,56 @@ class EngineClient(Protocol):
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stops the engine (after the HTTP side has drained); blocking."""
         ...
+
+
+# ------------------------------------------------- what an in-process engine client drives
+
+
+class SteppableEngine(Protocol):
+    """What AsyncEngine needs of the engine it steps (LLMEngine, or a stand-in in tests; the
+    model attributes are read once, when the server first asks for `model_info`)."""
+
+    model_name: str
+    tokenizer: Any
+    hf_config: Any
+    source: Any
+    config: EngineConfig
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                    priority: int = 0, cache_salt: str | None = None) -> None: ...
+
+    def abort_request(self, request_id: str) -> None: ...
+
+    def abort_failed_step(self) -> list[str]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def stats(self) -> Any: ...
+
+
+class RequestMetricsSink(Protocol):
+    def on_request_finished(
+        self, finish_reason: str, arrival: float, first_token: float | None, end: float,
+        num_prompt_tokens: int, num_generation_tokens: int,
+    ) -> None: ...
+
+    def on_tokens(self, now: float, previous: float | None, arrival: float) -> None: ...
+
+
+def model_info_of(engine: SteppableEngine) -> ModelInfo:
+    """The served facts of a loaded LLMEngine; the tokenizer is the server's own copy (the engine
+    thread detokenizes with the engine's)."""
+    tokenizer = engine.tokenizer
+    try:
+        tokenizer = copy.deepcopy(tokenizer)
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot be copied is shared
+        pass
+    vocab = getattr(engine.hf_config, "vocab_size", None) or (len(tokenizer) if tokenizer is not None else 0)
+    source = engine.source
+    root = str(getattr(source, "gguf_file", None) or getattr(source, "path", None) or engine.model_name)
+    return ModelInfo(engine.model_name, root, engine.config.model.max_model_len, int(vocab), tokenizer)

@@ -19,6 +19,7 @@ from tokenmill.server.serving import error_body
 ASGIApp = Any  # (scope, receive, send) -> Awaitable[None]
 _DRAIN_FACTOR = 4  # a refused body is read and dropped up to this many times the limit
 DEFAULT_MAX_HEADER_BYTES = 16 * 1024  # h11's own default
+_CLOSE_AFTER_ERROR_S = 5.0
 
 
 async def send_json_error(send: Any, status: int, message: str, headers: list[tuple[bytes, bytes]] = ()) -> None:
@@ -41,7 +42,7 @@ class BodyLimitMiddleware:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(receive, send, int(declared))
+            await self._refuse(receive, send, declared=int(declared))
             return
         chunks: list[bytes] = []
         size = 0
@@ -52,7 +53,7 @@ class BodyLimitMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                await self._refuse(receive, send, size, more=message.get("more_body", False))
+                await self._refuse(receive, send, read=size, more=message.get("more_body", False))
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -68,17 +69,38 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, receive: Any, send: Any, size: int, more: bool = True) -> None:
-        read = 0
+    async def _refuse(self, receive: Any, send: Any, *, declared: int | None = None, read: int = 0,
+                      more: bool = True) -> None:
+        """Reads what the client is still sending (up to a bound), then answers 413."""
         while more and read < _DRAIN_FACTOR * self.max_bytes:
             message = await receive()
             if message["type"] == "http.disconnect":
                 return
             read += len(message.get("body", b""))
             more = message.get("more_body", False)
-        await send_json_error(send, 413, f"the request body is {'at least ' if more else ''}{size} bytes, more "
-                                         f"than this server accepts (--max-request-bytes {self.max_bytes})",
-                              [(b"connection", b"close")])
+        size = f"{declared}" if declared is not None else f"more than {read}" if more else f"{read}"
+        await send_json_error(send, 413, f"the request body is {size} bytes; this server accepts at most "
+                                         f"--max-request-bytes {self.max_bytes}", [(b"connection", b"close")])
+
+
+class HeaderLimitMiddleware:
+    """431 for a request line and headers over `max_bytes` (h11 only limits a head that arrives
+    in pieces; one read brings up to 256 KiB)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + sum(
+                len(name) + len(value) + 4 for name, value in scope["headers"])
+            if size > self.max_bytes:
+                await send_json_error(send, 431, f"the request line and headers are {size} bytes; this server "
+                                                 f"accepts at most --max-header-bytes {self.max_bytes}",
+                                      [(b"connection", b"close")])
+                return
+        await self.app(scope, receive, send)
 
 
 class TokenmillH11Protocol(H11Protocol):
@@ -91,11 +113,14 @@ class TokenmillH11Protocol(H11Protocol):
         self.conn = _RecordingConnection(h11.SERVER, self.head_limit)
 
     def send_400_response(self, msg: str) -> None:
+        if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return  # answered already: the rest of what the client sends is dropped
+        self.loop.call_later(_CLOSE_AFTER_ERROR_S, self.transport.close)  # time to read the answer first
         error = self.conn.last_error
         status = getattr(error, "error_status_hint", 400)
         if status == 431:
-            message = (f"the request line and headers are larger than this server accepts "
-                       f"(--max-header-bytes {self.head_limit})")
+            message = (f"the request line and headers are more than {self.head_limit} bytes, more than this "
+                       "server accepts (--max-header-bytes)")
         else:
             message = f"invalid HTTP request: {error or msg}"
         body = json.dumps(error_body(message, status)).encode()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -95,8 +96,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     lim.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                      help="abort a request (freeing its KV blocks) that has not finished this many seconds "
                           "after it arrived: 504, or an error event in a stream (default: no deadline)")
-    lim.add_argument("--tokenizer-workers", type=int, default=2, metavar="N",
-                     help="threads that tokenize and apply chat templates, off the event loop")
+    lim.add_argument("--tokenizer-workers", type=int, default=None, metavar="N",
+                     help="threads that parse bodies, tokenize and apply chat templates, off the event loop "
+                          "(default: the cores less one, 1 to 4)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -160,11 +162,18 @@ def _server_class() -> type:
             loop = asyncio.get_running_loop()
             started = loop.time()
             engine = self.state.engine
-            cut = await engine.drain(self.shutdown_timeout)
+            drain = asyncio.ensure_future(engine.drain(self.shutdown_timeout))
+            while not drain.done() and not self.force_exit:  # a second Ctrl-C stops waiting
+                await asyncio.wait({drain}, timeout=0.1)
+            if drain.done():
+                cut = drain.result()
+            else:
+                drain.cancel()
+                cut = await engine.drain(0)
             if not engine.is_running:
                 return EXIT_ENGINE_DEAD
             deadline = started + self.shutdown_timeout + _FLUSH_GRACE_S
-            while self.server_state.connections and loop.time() < deadline:
+            while self.server_state.connections and loop.time() < deadline and not self.force_exit:
                 await asyncio.sleep(0.05)
             left = len(self.server_state.connections)
             if cut or left:
@@ -207,7 +216,7 @@ def build_server(args: argparse.Namespace, sock: socket.socket) -> Any:
 
     if args.max_waiting_requests < 0:
         raise ConfigError("--max-waiting-requests must not be negative (0 = no limit)")
-    if args.tokenizer_workers < 1:
+    if args.tokenizer_workers is not None and args.tokenizer_workers < 1:
         raise ConfigError("--tokenizer-workers must be at least 1")
     if args.request_timeout is not None and args.request_timeout <= 0:
         raise ConfigError("--request-timeout must be positive (leave it out for no deadline)")
@@ -219,12 +228,15 @@ def build_server(args: argparse.Namespace, sock: socket.socket) -> Any:
         request_log_dir=args.log_requests_dir, request_timeout=args.request_timeout,
         tokenizer_workers=args.tokenizer_workers, max_waiting_requests=args.max_waiting_requests or None,
     )
-    app = build_app(state, max_request_bytes=args.max_request_bytes, access_log=args.access_log)
+    app = build_app(state, max_request_bytes=args.max_request_bytes, max_header_bytes=args.max_header_bytes,
+                    access_log=args.access_log)
     config = uvicorn.Config(
         app, log_level=args.uvicorn_log_level, access_log=False, http=TokenmillH11Protocol,
         h11_max_incomplete_event_size=args.max_header_bytes,
         timeout_graceful_shutdown=int(_FLUSH_GRACE_S), timeout_keep_alive=30,
     )
+    gc.collect()
+    gc.freeze()  # what start-up built lives as long as the server: full collections skip it
     logger.info("serving %s (max_model_len %d) on http://%s:%d/v1", state.model_name,
                 state.max_model_len, args.host, args.port)
     return _server_class()(config, state, args.shutdown_timeout)

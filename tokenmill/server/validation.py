@@ -15,7 +15,7 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 def may_hold_surrogates(body: bytes) -> bool:
-    return _SURROGATE_ESCAPE.search(body) is not None
+    return b"\\u" in body and _SURROGATE_ESCAPE.search(body) is not None  # `in` is a fast scan
 
 
 def lone_surrogate_at(text: str) -> int | None:
