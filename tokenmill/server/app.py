@@ -155,7 +155,7 @@ class _CheckedRoute(APIRoute):
             if request.method == "POST" and body:
                 state: ServerState = request.app.state.tokenmill
                 try:
-                    value = await state.prompts.run(_parse_json, body)
+                    value = await state.prompts.run(_parse_json, body, body_bytes=len(body))
                 except (ValueError, RecursionError):
                     pass  # FastAPI parses it again and answers the malformed body itself
                 else:
@@ -294,27 +294,27 @@ def build_app(state: ServerState, *, shutdown_engine: bool = True, max_request_b
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
-    async def tokenize(req: TokenizeRequest) -> Any:
+    async def tokenize(req: TokenizeRequest, raw: Request) -> Any:
         state.check_model(req.model)
         if state.tokenizer is None or state.renderer is None:
             raise InvalidRequestError("this model has no tokenizer")
         if isinstance(req, TokenizeChatRequest):
-            text = await state.prompts.run(state.renderer.render, req.messages, tools=req.tools,
-                                           add_generation_prompt=req.add_generation_prompt,
-                                           chat_template_kwargs=req.chat_template_kwargs)
-            ids = await state.prompts.run(state.prompts.encode, text, add_special_tokens=False)
+            text = await state.run(raw, state.renderer.render, req.messages, tools=req.tools,
+                                   add_generation_prompt=req.add_generation_prompt,
+                                   chat_template_kwargs=req.chat_template_kwargs)
+            ids = await state.run(raw, state.prompts.encode, text, add_special_tokens=False)
         else:
-            ids = await state.prompts.run(state.prompts.encode, req.prompt, add_special_tokens=req.add_special_tokens)
-        body = await state.prompts.run(_tokenize_body, state, ids, req.return_token_strs)
-        return Response(body, media_type="application/json")
+            ids = await state.run(raw, state.prompts.encode, req.prompt, add_special_tokens=req.add_special_tokens)
+        return Response(await state.run(raw, _tokenize_body, state, ids, req.return_token_strs),
+                        media_type="application/json")
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
-    async def detokenize(req: DetokenizeRequest) -> Any:
+    async def detokenize(req: DetokenizeRequest, raw: Request) -> Any:
         state.check_model(req.model)
         if state.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer")
-        await state.prompts.run(state.check_token_ids, req.tokens, "tokens")
-        return DetokenizeResponse(prompt=await state.prompts.run(state.prompts.decode, req.tokens))
+        await state.run(raw, state.check_token_ids, req.tokens, "tokens")
+        return DetokenizeResponse(prompt=await state.run(raw, state.prompts.decode, req.tokens))
 
     return app
 

@@ -1,6 +1,8 @@
-"""Tokenizing, detokenizing and chat templating for the server, on a bounded worker pool.
+"""Tokenizing, detokenizing and chat templating for the server, on bounded worker pools.
 
-None of it runs on the event loop, so a large request never delays `/health` or other requests.
+None of it runs on the event loop, so a large request never delays `/health`; and a request
+whose body is over LARGE_BODY_BYTES does its work on a lane of its own (one thread), so small
+requests never queue behind it.
 A fast (Rust) tokenizer's batch calls release the GIL while they work, so the pool calls those
 directly when they give exactly what the Hugging Face wrapper gives (checked at start-up on a
 sample); Jinja templating holds the GIL but yields it every switch interval.
@@ -26,6 +28,7 @@ from typing import Any, TypeVar
 from tokenmill.errors import InvalidRequestError
 
 T = TypeVar("T")
+LARGE_BODY_BYTES = 256 * 1024
 PREFIX_CHARS_PER_TOKEN = 8
 _BOUNDARY = re.compile(r"(?<=\S) (?=[^\W\d_])")
 _BOUNDARY_SEARCH = 4096  # characters searched back from the cut for a word boundary
@@ -42,17 +45,20 @@ class PromptTooLongError(InvalidRequestError):
 
 
 class PromptTokenizer:
-    """The server's tokenizer calls, run on `workers` threads."""
+    """The server's tokenizer calls, run on `workers` threads (and one for large requests)."""
 
     def __init__(self, tokenizer: Any, workers: int) -> None:
         self.tokenizer = tokenizer
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tokenmill-tokenize")
+        self._large = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-tokenize-large")
         self._backend = _exact_backend(tokenizer)
         self.bounds_by_prefix = self._backend is not None and _prefixes_tokenize_as_prefixes(self._backend)
 
-    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """fn(*args, **kwargs) on the pool."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+    async def run(self, fn: Callable[..., T], *args: Any, body_bytes: int = 0, **kwargs: Any) -> T:
+        """fn(*args, **kwargs) on a worker: the large lane for a request of `body_bytes` over
+        LARGE_BODY_BYTES."""
+        pool = self._large if body_bytes > LARGE_BODY_BYTES else self._pool
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kwargs))
 
     def encode(self, text: str, *, add_special_tokens: bool, max_tokens: int | None = None) -> list[int]:
         """The token ids of `text` (call it on the pool). With `max_tokens`, a text whose prefix
@@ -80,7 +86,8 @@ class PromptTokenizer:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._large):
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _word_boundary_before(text: str, pos: int) -> int | None:

@@ -8,7 +8,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -116,6 +116,11 @@ class ServerState:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"{what} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+
+    async def run(self, raw: Request, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """fn(*args, **kwargs) on the tokenizer pool, in the lane of `raw`'s body size."""
+        body_bytes = len(await raw.body())  # read (and kept) before the request model was built
+        return await self.prompts.run(fn, *args, body_bytes=body_bytes, **kwargs)
 
     def time_left(self, arrival: float) -> float | None:
         """Seconds left of --request-timeout for a request that arrived at `arrival` (monotonic)."""

@@ -92,13 +92,13 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if structured is not None:
         await state.check_structured(structured)
     tools_for_prompt = req.tools if req.tools and req.tool_choice != "none" else None
-    prompt_text = await state.prompts.run(
-        state.renderer.render, req.messages, tools=tools_for_prompt, add_generation_prompt=req.add_generation_prompt,
+    prompt_text = await state.run(
+        raw, state.renderer.render, req.messages, tools=tools_for_prompt, add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
         chat_template_kwargs=req.chat_template_kwargs, template=req.chat_template,
     )
-    prompt_ids = await state.prompts.run(state.prompts.encode, prompt_text, add_special_tokens=False,
-                                         max_tokens=state.max_model_len - 1)
+    prompt_ids = await state.run(raw, state.prompts.encode, prompt_text, add_special_tokens=False,
+                                 max_tokens=state.max_model_len - 1)
     top = (req.top_logprobs or 0) if req.logprobs else None
     params = build_sampling_params(
         state, req, max_tokens=req.max_completion_tokens or req.max_tokens,

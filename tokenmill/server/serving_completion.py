@@ -48,14 +48,14 @@ class _Plan:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-async def _prompts(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
-    raw = req.prompt
-    if isinstance(raw, str):
-        items: list[str | list[int]] = [raw]
-    elif raw and all(isinstance(x, int) for x in raw):
-        items = [list(raw)]  # type: ignore[arg-type]
+async def _prompts(state: ServerState, req: CompletionRequest, raw: Request) -> list[_Prompt]:
+    given = req.prompt
+    if isinstance(given, str):
+        items: list[str | list[int]] = [given]
+    elif given and all(isinstance(x, int) for x in given):
+        items = [list(given)]  # type: ignore[arg-type]
     else:
-        items = list(raw)  # type: ignore[arg-type]
+        items = list(given)  # type: ignore[arg-type]
     if len(items) > MAX_PROMPTS:
         raise InvalidRequestError(f"at most {MAX_PROMPTS} prompts per request")
     prompts = []
@@ -65,13 +65,13 @@ async def _prompts(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
         if isinstance(item, str):
             if state.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer: send the prompt as token ids")
-            ids = await state.prompts.run(state.prompts.encode, item, add_special_tokens=req.add_special_tokens,
-                                          max_tokens=state.max_model_len - 1)
+            ids = await state.run(raw, state.prompts.encode, item, add_special_tokens=req.add_special_tokens,
+                                  max_tokens=state.max_model_len - 1)
             prompts.append(_Prompt(ids, item))
         else:
             room_for_answer(state, len(item), None)  # too long: refused before any work on it
-            await state.prompts.run(state.check_token_ids, item, "the prompt")
-            text = await state.prompts.run(state.prompts.decode, item) if req.echo and state.tokenizer else ""
+            await state.run(raw, state.check_token_ids, item, "the prompt")
+            text = await state.run(raw, state.prompts.decode, item) if req.echo and state.tokenizer else ""
             prompts.append(_Prompt(list(item), text))
     return prompts
 
@@ -82,7 +82,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     structured = structured_from_request(req)
     if structured is not None:
         await state.check_structured(structured)
-    prompts = await _prompts(state, req)
+    prompts = await _prompts(state, req, raw)
     n = req.n or 1
     if len(prompts) * n > MAX_SEQUENCES:
         raise InvalidRequestError(f"prompts x n may be at most {MAX_SEQUENCES}, got {len(prompts) * n}")
