@@ -41,15 +41,54 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def proc(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    running = spawn_server(["--model", str(tiny_model), "--kv-cache-bytes", KV_BYTES, "--max-waiting-requests", "2",
-                            "--shutdown-timeout", "1.5", "--access-log"], str(log),
-                           launcher=[LAUNCHER, "--step-delay", str(STEP_S)])
-    yield running
-    if running.proc.poll() is None:
-        running.proc.kill()
-        running.proc.wait(30)
+def servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
+    """Both servers of the module, started side by side: the slowed one, and one whose every
+    step fails."""
+    logs = tmp_path_factory.mktemp("serve")
+    common = ["--model", str(tiny_model), "--kv-cache-bytes", KV_BYTES]
+    plans = {
+        "slow": (common + ["--max-waiting-requests", "2", "--shutdown-timeout", "1.5", "--access-log"],
+                 [LAUNCHER, "--step-delay", str(STEP_S)]),
+        "failing": (common, [LAUNCHER, "--step-fault"]),
+    }
+    started: dict[str, ServerProcess] = {}
+    errors: list[BaseException] = []
+
+    def start(name: str) -> None:
+        try:
+            args, launcher = plans[name]
+            started[name] = spawn_server(args, str(logs / f"{name}.log"), launcher=launcher)
+        except BaseException as error:  # noqa: BLE001 - raised below, in the test's thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=start, args=(name,)) for name in plans]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        if errors:
+            raise errors[0]
+        yield started
+    finally:
+        for running in started.values():
+            if running.proc.poll() is None:
+                running.proc.kill()
+                running.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def proc(servers: dict[str, ServerProcess]) -> ServerProcess:
+    return servers["slow"]
+
+
+@pytest.fixture(scope="module")
+def same_port(proc: ServerProcess, tiny_model: Path) -> subprocess.Popen[str]:
+    """A second `tokenmill serve` on the first one's port, started at once so that it runs beside
+    the tests before the one that reads its outcome."""
+    port = proc.url.rsplit(":", 1)[1]
+    return subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", "--model", str(tiny_model), "--device",
+                             "cpu", "--port", port], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _metric(url: str, name: str) -> float:
@@ -59,18 +98,8 @@ def _metric(url: str, name: str) -> float:
     raise AssertionError(f"{name} is not in /metrics")
 
 
-def test_the_port_is_checked_before_the_model_loads(proc: ServerProcess, tiny_model: Path) -> None:
-    port = proc.url.rsplit(":", 1)[1]
-    started = time.monotonic()
-    second = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--model", str(tiny_model), "--device",
-                             "cpu", "--port", port], capture_output=True, text=True, timeout=120)
-    assert second.returncode == 2, second.stderr[-2000:]
-    assert f"cannot listen on 127.0.0.1:{port}" in second.stderr
-    assert "KV cache" not in second.stderr  # refused before the model was loaded
-    print(f"refused in {time.monotonic() - started:.1f} s")
-
-
-def test_a_full_queue_answers_429_quickly_and_every_accepted_request_completes(proc: ServerProcess) -> None:
+def test_a_full_queue_answers_429_quickly_and_every_accepted_request_completes(
+        proc: ServerProcess, same_port: subprocess.Popen[str]) -> None:
     client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="none", max_retries=0, timeout=120)
     model = client.models.list().data[0].id
     results: list[tuple[str, Any, float]] = []
@@ -118,6 +147,14 @@ def test_the_access_log_has_a_line_per_request(proc: ServerProcess) -> None:
     assert any('"GET /v1/models" 200 ' in line for line in lines)
 
 
+def test_the_port_is_checked_before_the_model_loads(proc: ServerProcess, same_port: subprocess.Popen[str]) -> None:
+    _, err = same_port.communicate(timeout=120)
+    port = proc.url.rsplit(":", 1)[1]
+    assert same_port.returncode == 2, err[-2000:]
+    assert f"cannot listen on 127.0.0.1:{port}" in err
+    assert "KV cache" not in err  # refused before the model was loaded
+
+
 def _stream(url: str, max_tokens: int, events: list[str]) -> None:
     body = {"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
@@ -151,21 +188,16 @@ def test_sigterm_finishes_what_it_can_and_cuts_the_rest(proc: ServerProcess) -> 
     assert "shutdown deadline: 1 requests cut" in log and "Traceback" not in log
 
 
-def test_an_engine_that_cannot_step_makes_the_process_exit_70(tiny_model: Path, tmp_path: Path) -> None:
-    proc = spawn_server(["--model", str(tiny_model), "--kv-cache-bytes", KV_BYTES], str(tmp_path / "server.log"),
-                        launcher=[LAUNCHER, "--step-fault"])
-    try:
-        client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="none", max_retries=0, timeout=60)
-        model = client.models.list().data[0].id
-        statuses = []
-        for _ in range(3):  # MAX_CONSECUTIVE_STEP_FAILURES: each fails its request, the last the engine
-            with pytest.raises(openai.APIStatusError) as err:
-                client.completions.create(model=model, prompt=PROMPT, max_tokens=4)
-            statuses.append(err.value.status_code)
-        assert statuses == [500, 500, 503]
-        assert proc.proc.wait(60) == 70
-        log = proc.log()
-        assert "the engine died" in log and "exiting with status 70" in log
-    finally:
-        if proc.proc.poll() is None:
-            proc.proc.kill()
+def test_an_engine_that_cannot_step_makes_the_process_exit_70(servers: dict[str, ServerProcess]) -> None:
+    proc = servers["failing"]
+    client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="none", max_retries=0, timeout=60)
+    model = client.models.list().data[0].id
+    statuses = []
+    for _ in range(3):  # MAX_CONSECUTIVE_STEP_FAILURES: each fails its request, the last the engine
+        with pytest.raises(openai.APIStatusError) as err:
+            client.completions.create(model=model, prompt=PROMPT, max_tokens=4)
+        statuses.append(err.value.status_code)
+    assert statuses == [500, 500, 503]
+    assert proc.proc.wait(60) == 70
+    log = proc.log()
+    assert "the engine died" in log and "exiting with status 70" in log

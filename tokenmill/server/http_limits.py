@@ -124,7 +124,8 @@ class TokenmillH11Protocol(H11Protocol):
         else:
             message = f"invalid HTTP request: {error or msg}"
         body = json.dumps(error_body(message, status)).encode()
-        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
         for event in (h11.Response(status_code=status, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
 
