@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -106,7 +105,6 @@ class RequestStream:
     def __init__(self, request_id: str, num_children: int, on_abort: Callable[[RequestStream], None]) -> None:
         self.request_id = request_id
         self.child_ids = [f"{request_id}-{i}" for i in range(num_children)]
-        self.created = time.monotonic()
         self._on_abort = on_abort
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -134,6 +132,8 @@ class RequestStream:
             self._queue.put_nowait(item)
             if item is _END or isinstance(item, BaseException):
                 self._close()
+                if item is not _END and self.observer is not None:
+                    self.observer.aborted()  # the engine ended it early: its unfinished children
                 return
 
     def deliver_threadsafe(self, items: list[Any]) -> None:

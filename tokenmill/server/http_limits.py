@@ -9,6 +9,7 @@ away, so the client gets its 413 instead of a connection reset while it is still
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import h11
@@ -22,7 +23,7 @@ DEFAULT_MAX_HEADER_BYTES = 16 * 1024  # h11's own default
 _CLOSE_AFTER_ERROR_S = 5.0
 
 
-async def send_json_error(send: Any, status: int, message: str, headers: list[tuple[bytes, bytes]] = ()) -> None:
+async def send_json_error(send: Any, status: int, message: str, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     body = json.dumps(error_body(message, status)).encode()
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]})

@@ -22,12 +22,15 @@ import logging
 import os
 import signal
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.config import _byte_size
 from tokenmill.errors import ConfigError
 from tokenmill.server.reasoning import REASONING_PARSERS
 from tokenmill.server.tool_parsers import TOOL_PARSER_CHOICES
+
+if TYPE_CHECKING:
+    from tokenmill.server.serving import ServerState
 
 logger = logging.getLogger("tokenmill.serve")
 
@@ -124,7 +127,7 @@ def _server_class() -> type:
         """uvicorn with tokenmill's shutdown: the drain (logged, bounded, cutting what is left),
         an exit on engine death, and the exit status of the module docstring."""
 
-        def __init__(self, config: Any, state: Any, shutdown_timeout: float) -> None:
+        def __init__(self, config: Any, state: ServerState, shutdown_timeout: float) -> None:
             super().__init__(config)
             self.state = state
             self.shutdown_timeout = shutdown_timeout
