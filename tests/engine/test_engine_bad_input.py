@@ -98,3 +98,51 @@ def test_cli_reports_errors_without_traceback(tmp_path: Path, capsys: pytest.Cap
     assert main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("tokenmill: error:") and "missing" in err and "Traceback" not in err
+
+
+def test_any_cache_salt_is_served(tiny_llm: LLM) -> None:
+    """A salt that is half an emoji (a lone surrogate) once stopped the engine in the prefix-cache
+    hash; now every str salts its own cache."""
+    prompt = list(range(1, 40))  # more than two full blocks: the salt enters the first block's hash
+    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0)
+    for salt in ("\ud83d", "\udc00x", "\ud83d\ude00"):
+        out = tiny_llm.generate([prompt], params, cache_salt=salt)[0]
+        assert len(out.outputs[0].token_ids) == 3 and out.num_cached_tokens == 0  # no salt shares KV
+    again = tiny_llm.generate([prompt], params, cache_salt="\ud83d")[0]
+    assert again.num_cached_tokens == 32  # the same salt does
+
+
+def test_a_failed_step_aborts_what_it_held_and_the_engine_goes_on(tiny_llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = tiny_llm.engine
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    engine.add_request("held", list(range(1, 20)), params)
+    engine.step()  # "held" is running now
+    engine.add_request("admitted", list(range(5, 30)), params)
+    execute = engine.runner.execute
+
+    def explode(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("injected device fault")
+
+    monkeypatch.setattr(engine.runner, "execute", explode)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    assert sorted(engine.abort_failed_step()) == ["admitted", "held"]  # both were in the failed batch
+    assert not engine.has_unfinished_requests() and engine.stats().kv_blocks_used == 0
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    out = tiny_llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 3
+
+
+def test_a_step_that_fails_while_admitting_aborts_that_request(tiny_llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = tiny_llm.engine
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    engine.add_request("poison", list(range(1, 20)), params)
+    engine.add_request("next", list(range(1, 20)), params)
+    monkeypatch.setattr(engine.kv, "find_cached_prefix", lambda request: (_ for _ in ()).throw(ValueError("bad")))
+    with pytest.raises(ValueError):
+        engine.step()
+    assert engine.abort_failed_step() == ["poison"]  # nothing was running: the one being admitted
+    monkeypatch.undo()
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+    assert [o.request_id for o in outputs] == ["next"] and engine.stats().kv_blocks_used == 0

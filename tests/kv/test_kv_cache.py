@@ -21,6 +21,13 @@ def test_hashes_chain_and_salt_only_changes_the_chain() -> None:
     assert hash_block(None, [1, 2], "") != first
 
 
+def test_any_str_salts_the_hash() -> None:
+    """Lone surrogates (half an emoji from a JavaScript client) hash too, each salt to its own chain."""
+    salts = ["\ud83d", "\ude00", "\ud83d\ude00", "\U0001f600", "?", "\ud83d\ud83d"]
+    hashes = {hash_block(None, [1, 2], salt) for salt in salts}
+    assert len(hashes) == len(salts)
+
+
 def test_least_recently_freed_cached_block_is_evicted_first() -> None:
     pool = BlockPool(3)
     a, b, c = pool.allocate(3)

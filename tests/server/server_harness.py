@@ -57,15 +57,23 @@ class RunningServer:
         self.thread.join(60)
 
 
-def serve_state(state: Any, engine: Any, *, shutdown_engine: bool = True) -> RunningServer:
+MAX_REQUEST_BYTES = 8 * 2**20  # serve's defaults
+MAX_HEADER_BYTES = 32 * 2**10
+
+
+def serve_state(state: Any, engine: Any, *, shutdown_engine: bool = True, **app_options: Any) -> RunningServer:
+    """The app over `state` on uvicorn, configured as `tokenmill serve` configures it."""
     import uvicorn
 
     from tokenmill.server.app import build_app
+    from tokenmill.server.http_limits import TokenmillH11Protocol
 
-    app = build_app(state, shutdown_engine=shutdown_engine)
+    limits = {"max_request_bytes": MAX_REQUEST_BYTES, "max_header_bytes": MAX_HEADER_BYTES}
+    app = build_app(state, shutdown_engine=shutdown_engine, **{**limits, **app_options})
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=30))
+                                           timeout_graceful_shutdown=30, access_log=False, http=TokenmillH11Protocol,
+                                           h11_max_incomplete_event_size=MAX_HEADER_BYTES))
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -77,18 +85,19 @@ def serve_state(state: Any, engine: Any, *, shutdown_engine: bool = True) -> Run
 
 
 def start_server(engine: Any, **state_kwargs: Any) -> RunningServer:
-    from tokenmill.server.app import create_state
+    from tokenmill.server.app import state_for_engine
 
-    return serve_state(create_state(engine, **state_kwargs), engine)
+    return serve_state(state_for_engine(engine, **state_kwargs), engine)
 
 
 @contextlib.contextmanager
-def start_server_on(running: RunningServer, **state_kwargs: Any) -> Iterator[RunningServer]:
-    """Another app (other server options) sharing `running`'s engine thread."""
+def start_server_on(running: RunningServer, *, app_options: dict[str, Any] | None = None,
+                    **state_kwargs: Any) -> Iterator[RunningServer]:
+    """Another app (other server options) sharing `running`'s engine thread and metrics."""
     from tokenmill.server.app import create_state
 
-    state = create_state(running.engine, async_engine=running.state.engine, **state_kwargs)
-    other = serve_state(state, running.engine, shutdown_engine=False)
+    state = create_state(running.state.engine, metrics=running.state.metrics, **state_kwargs)
+    other = serve_state(state, running.engine, shutdown_engine=False, **(app_options or {}))
     try:
         yield other
     finally:
@@ -106,14 +115,16 @@ class ServerProcess:
             return f.read()
 
 
-def spawn_server(args: list[str], log_path: str, *, timeout: float = 240) -> ServerProcess:
-    """`python -m tokenmill.cli serve ARGS` on a free port; waits for /health."""
-    port = free_port()
+def spawn_server(args: list[str], log_path: str, *, timeout: float = 240, launcher: list[str] | None = None,
+                 port: int | None = None) -> ServerProcess:
+    """`python -m tokenmill.cli serve ARGS` on a free port (or `python LAUNCHER... serve ARGS`);
+    waits for /health."""
+    port = port or free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    command = launcher or ["-m", "tokenmill.cli"]
     with open(log_path, "w", encoding="utf-8") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenmill.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-             "--device", "cpu", *args],
+            [sys.executable, *command, "serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", *args],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )
     running = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import signal
 import subprocess
@@ -43,6 +44,21 @@ def test_help_lists_every_flag() -> None:
                  "--block-size", "--kv-cache-bytes", "--scheduling-policy", "--shutdown-timeout"):
         assert flag in out, flag
     assert "127.0.0.1" in out and "8000" in out
+
+
+def test_help_says_each_default_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import re
+
+    from tokenmill.cli import build_parser
+
+    monkeypatch.setenv("TOKENMILL_API_KEY", "do-not-print-me")
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    text = commands.choices["serve"].format_help()
+    blocks = re.split(r"\n  (?=-)", text)
+    assert len(blocks) > 30
+    for block in blocks:
+        assert len(re.findall("default:", block, re.IGNORECASE)) <= 1, block
+    assert "(default: 127.0.0.1)" in text and "(default: 8388608)" in text and "do-not-print-me" not in text
 
 
 def test_api_key(proc: ServerProcess) -> None:

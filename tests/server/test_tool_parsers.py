@@ -163,14 +163,11 @@ def test_hermes_streaming_matches_whole(text: str, content: str | None, expected
     assert streamed_content.strip() == (content or "")
 
 
-# Malformed only after the name and the opening of the arguments went out: a stream cannot take
-# those back (vLLM's cannot either); the whole-answer path above returns them as content.
-_BROKEN_LATE = {HERMES_MALFORMED[0], HERMES_MALFORMED[4], HERMES_MALFORMED[5]}
-
-
 @pytest.mark.parametrize("sizes", CHUNKINGS)
-@pytest.mark.parametrize("text", [t for t in HERMES_MALFORMED if t not in _BROKEN_LATE] + PLAIN)
+@pytest.mark.parametrize("text", HERMES_MALFORMED + PLAIN)
 def test_hermes_streaming_malformed_is_content(text: str, sizes: list[int]) -> None:
+    """Also a call that breaks only after its name and the opening of its arguments arrived:
+    the stream held it, so it comes back as content, exactly as the whole answer does."""
     stream = HermesToolParser().new_stream()
     content, fragments = "", []
     for i in range(0, len(text), sizes[0] if sizes else max(len(text), 1)):
@@ -196,18 +193,48 @@ def test_llama3_streaming_plain(text: str, sizes: list[int]) -> None:
     assert calls == [] and content == text
 
 
-def test_arguments_stream_in_pieces() -> None:
-    """The name goes out before the arguments are complete, then the arguments in pieces."""
-    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "San Francisco", "unit": "celsius"}}\n</tool_call>'
+def test_a_call_streams_whole_once_complete() -> None:
+    """Content streams as it comes; a call goes out once, complete, in one delta per index."""
+    text = ('Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "San Francisco"}}\n</tool_call>'
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
     stream = HermesToolParser().new_stream()
-    fragments = []
-    for ch in text:
-        fragments += stream.feed(ch).tool_calls
-    fragments += stream.finish().tool_calls
-    assert fragments[0]["function"] == {"name": "get_weather", "arguments": ""}
-    pieces = [f["function"]["arguments"] for f in fragments[1:]]
-    assert len(pieces) > 5
-    assert json.loads("".join(pieces)) == {"city": "San Francisco", "unit": "celsius"}
+    deltas = [stream.feed(ch) for ch in text]
+    assert "".join(d.content for d in deltas) == "Checking."
+    assert all(not d.tool_calls for d in deltas)
+    calls = stream.finish().tool_calls
+    assert [c["index"] for c in calls] == [0, 1] and stream.num_calls == 2
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "San Francisco"}'}
+    assert calls[0]["id"].startswith("call_") and calls[0]["type"] == "function"
+
+
+@pytest.mark.parametrize("parser", [HermesToolParser(offered={"get_time"}), Llama3JsonToolParser(offered={"get_time"})])
+@pytest.mark.parametrize("sizes", CHUNKINGS)
+def test_a_function_not_offered_is_content(parser: ToolParser, sizes: list[int]) -> None:
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    text = f"<tool_call>{call}</tool_call>" if isinstance(parser, HermesToolParser) else call
+    whole = parser.extract(text)
+    assert whole.tool_calls == [] and whole.content == text
+    assert run_stream(parser, text, sizes) == (text, [])
+    offered = '{"name": "get_time", "arguments": {"tz": "UTC"}}'
+    text = f"<tool_call>{offered}</tool_call>" if isinstance(parser, HermesToolParser) else offered
+    assert calls_of(parser.extract(text)) == [("get_time", {"tz": "UTC"})]
+    assert run_stream(parser, text, sizes)[1] == [("get_time", {"tz": "UTC"})]
+
+
+@pytest.mark.parametrize("sizes", CHUNKINGS)
+@pytest.mark.parametrize("parser,text", [
+    *[(HermesToolParser(), t) for t in [c[0] for c in HERMES_OK] + HERMES_MALFORMED + PLAIN],
+    *[(Llama3JsonToolParser(), t) for t in [c[0] for c in LLAMA_OK] + LLAMA_MALFORMED + PLAIN],
+    *[(RequiredToolParser(), t) for t in ['[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "par', "[1, 2", "oops"]],
+    *[(NamedToolParser("f"), t) for t in ['{"city": "Paris"}', '{"city": "Par', "[1]"]],
+])
+def test_streamed_equals_whole(parser: ToolParser, text: str, sizes: list[int]) -> None:
+    """Every parser, every answer (valid, malformed, cut short), every chunking: the same calls
+    and the same content (up to the whitespace around the calls) streamed and whole."""
+    whole = parser.extract(text)
+    content, calls = run_stream(parser, text, sizes)
+    assert calls == calls_of(whole)
+    assert content.strip() == (whole.content or "").strip()
 
 
 def test_required_and_named() -> None:

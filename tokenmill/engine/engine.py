@@ -141,6 +141,11 @@ class LLMEngine:
                 raise InvalidRequestError("the prompt is empty")
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer: pass the prompt as token ids")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as error:
+                raise InvalidRequestError(f"the prompt is not valid Unicode: a lone surrogate at character {error.start}"
+                                          ) from None
             return prompt, list(self.tokenizer(prompt).input_ids)
         token_ids = [int(t) for t in prompt]
         if not token_ids:
@@ -163,6 +168,27 @@ class LLMEngine:
         if request is not None:
             self.scheduler.abort(request)
             self._forget(request_id)
+
+    def abort_failed_step(self) -> list[str]:
+        """After step() raised: aborts the requests the failed step held (the running batch and
+        the step in flight, whose scheduler, KV and device state it may have left half-done) or,
+        when it held none, the request it was admitting. Returns their ids; the engine can step
+        again with the requests still waiting."""
+        held = [r.request_id for r in self.scheduler.running]
+        if self._in_flight is not None:
+            held += [r.request_id for r in self._in_flight.requests]
+        if not held and len(self.scheduler.waiting):
+            held = [self.scheduler.waiting.peek().request_id]
+        self._in_flight = None
+        ids = [rid for rid in dict.fromkeys(held) if rid in self.requests]
+        for request_id in ids:
+            self.abort_request(request_id)
+        return ids
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests in the waiting queue: not scheduled yet, or preempted."""
+        return len(self.scheduler.waiting)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None

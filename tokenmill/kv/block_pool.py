@@ -20,7 +20,7 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], cache_salt: s
     """The chained hash of one full block. The salt enters the first block only, type-tagged."""
     h = hashlib.sha256(parent or b"tokenmill-kv-v1")
     if parent is None and cache_salt is not None:
-        h.update(b"cache_salt\x00" + cache_salt.encode())
+        h.update(b"cache_salt\x00" + cache_salt.encode("utf-8", "surrogatepass"))  # any str, even a lone surrogate
     h.update(array("q", token_ids).tobytes())
     return h.digest()
 

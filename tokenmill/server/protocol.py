@@ -10,12 +10,14 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 # The upper bound is the model's vocabulary: app.py writes it into the served OpenAPI schema.
 TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-token-id": True})]
+# JSON true or false only: pydantic's lax mode would take "yes", "off", 0 or 1 for a boolean.
+Bool = Annotated[bool, Strict()]
 
 
 class OpenAIModel(BaseModel):
@@ -94,7 +96,7 @@ class FunctionDefinition(OpenAIModel):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: Bool | None = None
 
 
 class ChatCompletionTool(OpenAIModel):
@@ -116,7 +118,7 @@ class JsonSchemaFormat(OpenAIModel):
     description: str | None = None
     # "schema" shadows a BaseModel attribute, hence the alias.
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: Bool | None = None
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
 
@@ -126,8 +128,8 @@ class ResponseFormat(OpenAIModel):
 
 
 class StreamOptions(OpenAIModel):
-    include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False
+    include_usage: Bool | None = False
+    continuous_usage_stats: Bool | None = False
 
 
 class _SamplingFields(OpenAIModel):
@@ -145,19 +147,19 @@ class _SamplingFields(OpenAIModel):
     seed: int | None = None  # any integer: mapped into the generator's range
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
+    include_stop_str_in_output: Bool = False
     n: int | None = Field(default=1, ge=1, le=MAX_N)
-    stream: bool | None = False
+    stream: Bool | None = False
     stream_options: StreamOptions | None = None
     min_tokens: int = Field(default=0, ge=0)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
+    ignore_eos: Bool = False
+    skip_special_tokens: Bool = True
     logit_bias: dict[str, float] | None = Field(default=None, max_length=0, description="not supported: only {} or null")
     user: str | None = None
-    return_token_ids: bool | None = False
+    return_token_ids: Bool | None = False
     priority: int = Field(default=0, description="lower runs first under --scheduling-policy priority")
     cache_salt: str | None = None
-    cache_prompt: bool | None = None  # llama.cpp's flag: accepted and ignored
+    cache_prompt: Bool | None = None  # llama.cpp's flag: accepted and ignored
     response_format: ResponseFormat | None = None
     # vLLM's guided-decoding fields (the older spelling, still sent by many clients)
     guided_json: str | dict[str, Any] | None = None
@@ -179,15 +181,15 @@ class _SamplingFields(OpenAIModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = False
+    logprobs: Bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[ChatCompletionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = True
+    parallel_tool_calls: Bool | None = True
     chat_template: str | None = Field(default=None, description="needs --trust-request-chat-template")
     chat_template_kwargs: dict[str, Any] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -212,11 +214,11 @@ class CompletionRequest(_SamplingFields):
         | Annotated[list[TokenId], Field(min_length=1)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     )
-    echo: bool = False
+    echo: Bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
-    add_special_tokens: bool = True
+    add_special_tokens: Bool = True
 
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
@@ -391,17 +393,17 @@ class ModelList(BaseModel):
 class TokenizeCompletionRequest(OpenAIModel):
     model: str | None = None
     prompt: str
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
+    add_special_tokens: Bool = True
+    return_token_strs: Bool = False
 
 
 class TokenizeChatRequest(OpenAIModel):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
+    add_generation_prompt: Bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatCompletionTool] | None = None
-    return_token_strs: bool = False
+    return_token_strs: Bool = False
 
 
 TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest

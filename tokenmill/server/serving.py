@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -15,37 +16,60 @@ from fastapi import Request
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams, StructuredOutputSpec
-from tokenmill.server.async_engine import AsyncEngine, RequestStream
 from tokenmill.server.chat import ChatRenderer, check_json_schema
+from tokenmill.server.engine_client import ERROR_STATUS, EngineClient, RequestStream, RequestTimeoutError
 from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.prompt_tokenizer import PromptTokenizer
 from tokenmill.server.protocol import _SamplingFields
 from tokenmill.server.reasoning import ReasoningParser
 from tokenmill.server.request_log import RequestLog
+from tokenmill.server.validation import clip
 
 T = TypeVar("T")
 SEED_MODULUS = 2**62  # any int64 seed maps into what torch generators take, with room for +n
+MAX_ERROR_MESSAGE = 2000  # characters; messages quote client text only through clip()
 
 
 class APIError(Exception):
     """An error answered with an OpenAI-style body."""
 
     def __init__(self, message: str, status: int = 400, *, type: str | None = None,
-                 param: str | None = None) -> None:
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.message, self.status, self.param = message, status, param
+        self.message, self.status, self.param, self.headers = message, status, param, headers
         self.type = type or _ERROR_TYPES.get(status, "invalid_request_error")
 
 
 _ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-    405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
-    503: "service_unavailable",
+    405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_exceeded",
+    431: "invalid_request_error", 500: "server_error", 503: "service_unavailable", 504: "timeout_error",
 }
 
 
 def error_body(message: str, status: int, *, type: str | None = None, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type or _ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": status}}
+    if len(message) > MAX_ERROR_MESSAGE:
+        message = message[:MAX_ERROR_MESSAGE] + "..."
+    return {"error": {"message": clip(message, MAX_ERROR_MESSAGE + 3),
+                      "type": type or _ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": None if param is None else clip(param), "code": status}}
+
+
+def status_of(exc: BaseException) -> int:
+    """The HTTP status that answers an exception a request ended with."""
+    if isinstance(exc, InvalidRequestError):
+        return 400
+    if isinstance(exc, APIError):
+        return exc.status
+    return next((status for kind, status in ERROR_STATUS.items() if isinstance(exc, kind)), 500)
+
+
+def stream_error_event(exc: BaseException) -> str:
+    """The last `data:` event of a stream that ended with `exc` (the caller sends [DONE] after)."""
+    status = status_of(exc)
+    known = status != 500 or any(isinstance(exc, kind) for kind in ERROR_STATUS)
+    message = str(exc) if known else f"internal server error ({type(exc).__name__}); see the server log"
+    return sse(error_body(message, status))
 
 
 class ClientDisconnected(Exception):
@@ -54,19 +78,21 @@ class ClientDisconnected(Exception):
 
 @dataclass
 class ServerState:
-    engine: AsyncEngine
+    engine: EngineClient
     tokenizer: Any
     model_names: list[str]
     model_root: str
     max_model_len: int
     vocab_size: int
-    renderer: ChatRenderer
+    renderer: ChatRenderer | None
     tool_parser: str  # resolved name: hermes or llama3_json
     reasoning: ReasoningParser | None
     metrics: ServerMetrics
+    prompts: PromptTokenizer  # tokenization and templating, off the event loop
     api_key: str | None = None
     trust_request_chat_template: bool = False
     request_log: RequestLog | None = None
+    request_timeout: float | None = None  # seconds from arrival; None = no deadline
     _token_strs: dict[int, str] = field(default_factory=dict)
     _grammar_checker: Any = None
 
@@ -77,7 +103,7 @@ class ServerState:
     def check_model(self, model: str | None) -> str:
         if model is None or model == "" or model in self.model_names:
             return self.model_name
-        raise APIError(f"The model `{model}` does not exist.", 404, param="model")
+        raise APIError(f"The model `{clip(model)}` does not exist.", 404, param="model")
 
     def token_str(self, token_id: int) -> str:
         text = self._token_strs.get(token_id)
@@ -90,6 +116,20 @@ class ServerState:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"{what} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+
+    async def run(self, raw: Request, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """fn(*args, **kwargs) on the tokenizer pool, in the lane of `raw`'s body size."""
+        body_bytes = len(await raw.body())  # read (and kept) before the request model was built
+        return await self.prompts.run(fn, *args, body_bytes=body_bytes, **kwargs)
+
+    def time_left(self, arrival: float) -> float | None:
+        """Seconds left of --request-timeout for a request that arrived at `arrival` (monotonic)."""
+        if self.request_timeout is None:
+            return None
+        left = self.request_timeout - (time.monotonic() - arrival)
+        if left <= 0:
+            raise RequestTimeoutError(f"the request did not start within --request-timeout ({self.request_timeout:g} s)")
+        return left
 
     async def check_structured(self, spec: StructuredOutputSpec) -> None:
         """Compiles the grammar once here, so a bad one is a 400 before the engine sees it."""
@@ -142,8 +182,8 @@ def structured_from_request(req: _SamplingFields) -> StructuredOutputSpec | None
         if isinstance(guided, str):
             try:
                 guided = json.loads(guided)
-            except json.JSONDecodeError as exc:
-                raise InvalidRequestError(f"guided_json is not valid JSON: {exc}") from exc
+            except (ValueError, RecursionError) as exc:
+                raise InvalidRequestError(f"guided_json is not valid JSON: {type(exc).__name__}: {clip(str(exc))}") from exc
         check_json_schema(guided, "guided_json")
         return StructuredOutputSpec("json_schema", json.dumps(guided))
     if req.guided_regex is not None:

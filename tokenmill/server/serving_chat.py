@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,13 +13,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import StructuredOutputSpec
-from tokenmill.server.async_engine import ChildRequest, RequestStream
+from tokenmill.server.access_log import record_usage
 from tokenmill.server.chat import (
     check_tools,
     named_tool,
     parameters_schema,
     required_tools_schema,
 )
+from tokenmill.server.engine_client import ChildRequest, RequestStream
 from tokenmill.server.metrics import speculative_usage
 from tokenmill.server.protocol import ChatCompletionRequest, NamedToolChoice
 from tokenmill.server.reasoning import ReasoningStream
@@ -27,10 +29,10 @@ from tokenmill.server.serving import (
     ServerState,
     build_sampling_params,
     chat_logprobs,
-    error_body,
     new_request_id,
     sse,
     sse_with_disconnect,
+    stream_error_event,
     structured_from_request,
     unless_disconnected,
 )
@@ -73,12 +75,15 @@ def _tool_setup(state: ServerState, req: ChatCompletionRequest) -> tuple[ToolPar
         schema = required_tools_schema(tools, parallel=req.parallel_tool_calls is not False)
         return RequiredToolParser(), StructuredOutputSpec("json_schema", json.dumps(schema))
     if tools and choice != "none":
-        return get_tool_parser(state.tool_parser), None
+        return get_tool_parser(state.tool_parser, offered={tool.function.name for tool in tools}), None
     return None, None
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Any:
+    arrival = time.monotonic()
     model = state.check_model(req.model)
+    if state.renderer is None:
+        raise InvalidRequestError("this model has no tokenizer; use /v1/completions with token ids")
     if req.chat_template is not None and not state.trust_request_chat_template:
         raise InvalidRequestError(
             "chat_template in a request is refused; start the server with --trust-request-chat-template")
@@ -87,12 +92,13 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if structured is not None:
         await state.check_structured(structured)
     tools_for_prompt = req.tools if req.tools and req.tool_choice != "none" else None
-    prompt_text = state.renderer.render(
-        req.messages, tools=tools_for_prompt, add_generation_prompt=req.add_generation_prompt,
+    prompt_text = await state.run(
+        raw, state.renderer.render, req.messages, tools=tools_for_prompt, add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
         chat_template_kwargs=req.chat_template_kwargs, template=req.chat_template,
     )
-    prompt_ids = state.renderer.encode(prompt_text)
+    prompt_ids = await state.run(raw, state.prompts.encode, prompt_text, add_special_tokens=False,
+                                 max_tokens=state.max_model_len - 1)
     top = (req.top_logprobs or 0) if req.logprobs else None
     params = build_sampling_params(
         state, req, max_tokens=req.max_completion_tokens or req.max_tokens,
@@ -101,16 +107,18 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     n = req.n or 1
     plan = _Plan(new_request_id("chatcmpl"), model, prompt_text, prompt_ids, tool_parser, top)
     children = [ChildRequest(prompt_ids, params.for_child(i)) for i in range(n)]
-    stream = await state.engine.submit(plan.request_id, children, priority=req.priority, cache_salt=req.cache_salt)
+    stream = await state.engine.submit(plan.request_id, children, priority=req.priority, cache_salt=req.cache_salt,
+                                       timeout=state.time_left(arrival))
     if state.request_log is not None:
         state.request_log.watch(stream, model, children)
     if req.stream:
-        events = _stream_events(state, req, plan, stream, n)
+        events = _stream_events(state, req, plan, stream, n, raw.scope)
         return StreamingResponse(
             sse_with_disconnect(raw, stream, events), media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     body = await unless_disconnected(raw, stream, _full_response(state, req, plan, stream, n))
+    record_usage(raw.scope, body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"])
     return JSONResponse(body)
 
 
@@ -146,7 +154,9 @@ def _parse_delta(choice: _Choice, text: str, final: bool) -> tuple[str, str, lis
     return reasoning, content, calls
 
 
-async def _stream_events(state: ServerState, req: ChatCompletionRequest, plan: _Plan, stream: RequestStream, n: int):
+async def _stream_events(
+    state: ServerState, req: ChatCompletionRequest, plan: _Plan, stream: RequestStream, n: int, scope: dict[str, Any],
+) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
     choices = [
@@ -203,9 +213,11 @@ async def _stream_events(state: ServerState, req: ChatCompletionRequest, plan: _
         if include_usage:
             yield sse({**base, "choices": [], "usage": _usage(plan, choices, cached)})
         yield SSE_DONE
-    except Exception as exc:  # noqa: BLE001 - the engine died mid-stream: say so in-band
-        yield sse(error_body(f"the request failed: {exc}", 500, type="server_error"))
+    except Exception as exc:  # noqa: BLE001 - the request failed midway: say so in-band
+        yield stream_error_event(exc)
         yield SSE_DONE
+    finally:
+        record_usage(scope, len(plan.prompt_ids), sum(c.num_tokens for c in choices))
 
 
 def _finish_reason(engine_reason: str | None, tool_called: bool) -> str | None:

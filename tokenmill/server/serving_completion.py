@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,7 +11,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.server.async_engine import ChildRequest, RequestStream
+from tokenmill.server.access_log import record_usage
+from tokenmill.server.engine_client import ChildRequest, RequestStream
 from tokenmill.server.metrics import speculative_usage
 from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.serving import (
@@ -18,10 +20,11 @@ from tokenmill.server.serving import (
     ServerState,
     build_sampling_params,
     completion_logprobs,
-    error_body,
     new_request_id,
+    room_for_answer,
     sse,
     sse_with_disconnect,
+    stream_error_event,
     structured_from_request,
     unless_disconnected,
 )
@@ -45,38 +48,41 @@ class _Plan:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def _prompts(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
-    raw = req.prompt
-    if isinstance(raw, str):
-        items: list[str | list[int]] = [raw]
-    elif raw and all(isinstance(x, int) for x in raw):
-        items = [list(raw)]  # type: ignore[arg-type]
+async def _prompts(state: ServerState, req: CompletionRequest, raw: Request) -> list[_Prompt]:
+    given = req.prompt
+    if isinstance(given, str):
+        items: list[str | list[int]] = [given]
+    elif given and all(isinstance(x, int) for x in given):
+        items = [list(given)]  # type: ignore[arg-type]
     else:
-        items = list(raw)  # type: ignore[arg-type]
+        items = list(given)  # type: ignore[arg-type]
     if len(items) > MAX_PROMPTS:
         raise InvalidRequestError(f"at most {MAX_PROMPTS} prompts per request")
     prompts = []
     for item in items:
+        if not item:
+            raise InvalidRequestError("the prompt is empty")
         if isinstance(item, str):
-            if not item:
-                raise InvalidRequestError("the prompt is empty")
-            ids = list(state.tokenizer.encode(item, add_special_tokens=req.add_special_tokens))
+            if state.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: send the prompt as token ids")
+            ids = await state.run(raw, state.prompts.encode, item, add_special_tokens=req.add_special_tokens,
+                                  max_tokens=state.max_model_len - 1)
             prompts.append(_Prompt(ids, item))
         else:
-            if not item:
-                raise InvalidRequestError("the prompt is empty")
-            state.check_token_ids(item, "the prompt")
-            text = state.tokenizer.decode(item) if req.echo else ""
+            room_for_answer(state, len(item), None)  # too long: refused before any work on it
+            await state.run(raw, state.check_token_ids, item, "the prompt")
+            text = await state.run(raw, state.prompts.decode, item) if req.echo and state.tokenizer else ""
             prompts.append(_Prompt(list(item), text))
     return prompts
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Any:
+    arrival = time.monotonic()
     model = state.check_model(req.model)
     structured = structured_from_request(req)
     if structured is not None:
         await state.check_structured(structured)
-    prompts = _prompts(state, req)
+    prompts = await _prompts(state, req, raw)
     n = req.n or 1
     if len(prompts) * n > MAX_SEQUENCES:
         raise InvalidRequestError(f"prompts x n may be at most {MAX_SEQUENCES}, got {len(prompts) * n}")
@@ -88,15 +94,17 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         )
         children += [ChildRequest(prompt.ids, params.for_child(i)) for i in range(n)]
     plan = _Plan(new_request_id("cmpl"), model, prompts, n)
-    stream = await state.engine.submit(plan.request_id, children, priority=req.priority, cache_salt=req.cache_salt)
+    stream = await state.engine.submit(plan.request_id, children, priority=req.priority, cache_salt=req.cache_salt,
+                                       timeout=state.time_left(arrival))
     if state.request_log is not None:
         state.request_log.watch(stream, model, children)
     if req.stream:
         return StreamingResponse(
-            sse_with_disconnect(raw, stream, _stream_events(state, req, plan, stream)),
+            sse_with_disconnect(raw, stream, _stream_events(state, req, plan, stream, raw.scope)),
             media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     body = await unless_disconnected(raw, stream, _full_response(state, req, plan, stream))
+    record_usage(raw.scope, body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"])
     return JSONResponse(body)
 
 
@@ -109,6 +117,7 @@ class _Choice:
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[Any] = field(default_factory=list)
     spec: Any = None  # the latest (cumulative) SpecUsage, None without speculative decoding
+    cached: int = 0  # prompt tokens found in the prefix cache
 
 
 def _echo(req: CompletionRequest, choice: _Choice) -> tuple[str, list[int], list[Any]]:
@@ -122,13 +131,19 @@ def _usage(plan: _Plan, choices: list[_Choice]) -> dict[str, Any]:
     prompt = sum(len(p.ids) for p in plan.prompts)
     completion = sum(c.num_tokens for c in choices)
     usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    # prompt_tokens counts each prompt once, so cached tokens do too: the most any of its n samples found
+    cached = sum(max(c.cached for c in choices[i : i + plan.n]) for i in range(0, len(choices), plan.n))
+    if cached:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
     speculative = speculative_usage(c.spec for c in choices)
     if speculative is not None:
         usage["speculative"] = speculative
     return usage
 
 
-async def _stream_events(state: ServerState, req: CompletionRequest, plan: _Plan, stream: RequestStream):
+async def _stream_events(
+    state: ServerState, req: CompletionRequest, plan: _Plan, stream: RequestStream, scope: dict[str, Any],
+) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
     choices = [_Choice(p) for p in plan.prompts for _ in range(plan.n)]
@@ -137,6 +152,7 @@ async def _stream_events(state: ServerState, req: CompletionRequest, plan: _Plan
         async for index, output in stream:
             choice = choices[index]
             completion = output.outputs[0]
+            choice.cached = max(choice.cached, output.num_cached_tokens)
             if output.spec is not None:
                 choice.spec = output.spec
             choice.pending_ids += completion.token_ids
@@ -172,9 +188,11 @@ async def _stream_events(state: ServerState, req: CompletionRequest, plan: _Plan
         if include_usage:
             yield sse({**base, "choices": [], "usage": _usage(plan, choices)})
         yield SSE_DONE
-    except Exception as exc:  # noqa: BLE001 - the engine died mid-stream: say so in-band
-        yield sse(error_body(f"the request failed: {exc}", 500, type="server_error"))
+    except Exception as exc:  # noqa: BLE001 - the request failed midway: say so in-band
+        yield stream_error_event(exc)
         yield SSE_DONE
+    finally:
+        record_usage(scope, sum(len(p.ids) for p in plan.prompts), sum(c.num_tokens for c in choices))
 
 
 async def _full_response(state: ServerState, req: CompletionRequest, plan: _Plan, stream: RequestStream) -> dict[str, Any]:
@@ -186,6 +204,7 @@ async def _full_response(state: ServerState, req: CompletionRequest, plan: _Plan
     stop_reason: list[Any] = [None] * len(choices)
     async for index, output in stream:
         completion = output.outputs[0]
+        choices[index].cached = max(choices[index].cached, output.num_cached_tokens)
         if output.spec is not None:
             choices[index].spec = output.spec
         texts[index] += completion.text

@@ -1,0 +1,77 @@
+"""A scripted stand-in for LLMEngine (no model): each request yields max_tokens one-token deltas,
+one per step(), and a step can be made to raise."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from tokenmill.errors import InvalidRequestError
+from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+
+class ScriptedEngine:
+    def __init__(self, fail_on_step: int | None = None, step_seconds: float = 0.01, max_running: int = 1000) -> None:
+        self.requests: dict[str, list[int]] = {}  # running: [max_tokens, generated]
+        self.waiting: list[tuple[str, int]] = []
+        self.aborted: list[str] = []
+        self.steps = 0
+        self.fail_on_step = fail_on_step
+        self.fail: Callable[[], None] | None = None  # called in step(); may raise
+        self.step_seconds = step_seconds
+        self.max_running = max_running
+        self.threads: set[str] = set()
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0,
+                    cache_salt: str | None = None) -> None:
+        self.threads.add(threading.current_thread().name)
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty")
+        self.waiting.append((request_id, params.max_tokens or 16))
+
+    def abort_request(self, request_id: str) -> None:
+        self.threads.add(threading.current_thread().name)
+        waiting = [w for w in self.waiting if w[0] == request_id]
+        if self.requests.pop(request_id, None) is not None or waiting:
+            self.aborted.append(request_id)
+            self.waiting = [w for w in self.waiting if w[0] != request_id]
+
+    def abort_failed_step(self) -> list[str]:
+        """As LLMEngine's: the running requests, or, when none runs, the one being admitted."""
+        held = list(self.requests) or [w[0] for w in self.waiting[:1]]
+        for request_id in held:
+            self.abort_request(request_id)
+        return held
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests or self.waiting)
+
+    def step(self) -> list[RequestOutput]:
+        self.threads.add(threading.current_thread().name)
+        while self.waiting and len(self.requests) < self.max_running:
+            request_id, max_tokens = self.waiting.pop(0)
+            self.requests[request_id] = [max_tokens, 0]
+        self.steps += 1
+        if self.fail_on_step == self.steps:
+            raise RuntimeError("kernel exploded")
+        if self.fail is not None:
+            self.fail()
+        time.sleep(self.step_seconds)
+        outputs = []
+        for rid, state in list(self.requests.items()):
+            state[1] += 1
+            done = state[1] >= state[0]
+            outputs.append(RequestOutput(rid, None, [1, 2], [CompletionOutput(
+                0, f"t{state[1]} ", [100 + state[1]], finish_reason="length" if done else None)], finished=done))
+            if done:
+                del self.requests[rid]
+        return outputs
+
+    def stats(self) -> dict[str, int]:
+        return {"running": len(self.requests)}
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
