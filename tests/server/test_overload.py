@@ -61,8 +61,9 @@ def test_health_stays_fast_while_four_5mb_requests_are_processed(server: Any) ->
 
 
 def test_small_requests_do_not_queue_behind_a_large_one(server: Any) -> None:
-    """A 1.5 MB /tokenize (vLLM's has no length limit, nor this one's) takes seconds on its own
-    lane; meanwhile small requests are answered about as fast as on an idle server."""
+    """A 5 MB /tokenize (vLLM's has no length limit, nor this one's) takes seconds on its own
+    lane; meanwhile small requests are answered about as fast as on an idle server, and before
+    the large one ends (queued behind it, they would end after it)."""
 
     def small() -> float:
         started = time.perf_counter()
@@ -77,7 +78,7 @@ def test_small_requests_do_not_queue_behind_a_large_one(server: Any) -> None:
 
     def large() -> None:
         started = time.perf_counter()
-        httpx.post(f"{server.url}/tokenize", json={"prompt": FIVE_MB[:1_500_000]}, timeout=120).raise_for_status()
+        httpx.post(f"{server.url}/tokenize", json={"prompt": FIVE_MB}, timeout=120).raise_for_status()
         big_took.append(time.perf_counter() - started)
 
     big = threading.Thread(target=large)
@@ -86,9 +87,9 @@ def test_small_requests_do_not_queue_behind_a_large_one(server: Any) -> None:
     busy = small()
     still_running = big.is_alive()
     big.join(120)
-    print(f"small requests: {idle:.2f} s idle, {busy:.2f} s beside a 1.5 MB /tokenize that took {big_took[0]:.2f} s")
+    print(f"small requests: {idle:.2f} s idle, {busy:.2f} s beside a 5 MB /tokenize that took {big_took[0]:.2f} s")
     assert still_running, "the large request ended too soon to tell"
-    assert busy < 3 * idle + 0.5 < big_took[0]
+    assert busy < 3 * idle + 0.5
 
 
 def test_a_fault_injected_into_a_step_fails_only_that_steps_requests(server: Any) -> None:
