@@ -32,3 +32,60 @@ def randomize_(module: nn.Module, seed: int, scale: float = 0.3) -> None:
     for param in module.parameters():
         if param.is_floating_point():
             param.copy_(torch.randn(param.shape, generator=gen) * scale)
+
+
+class ChunkedRun:
+    """Requests of the given lengths computed a few tokens at a time, packed together, the way the
+    engine runs them: each owns shuffled disjoint KV blocks and a state slot that is not its index."""
+
+    def __init__(self, lengths: list[int], block_size: int, chunk_sizes: tuple[int, ...] = (5, 1, 8), seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.lengths, self.block_size, self.chunk_sizes = lengths, block_size, chunk_sizes
+        needed = [-(-n // block_size) for n in lengths]
+        order = torch.randperm(sum(needed) + 2, generator=gen).tolist()
+        self.tables: list[list[int]] = []
+        for n in needed:
+            self.tables.append(order[:n])
+            order = order[n:]
+        self.num_blocks = sum(needed) + 2
+        self.slots = torch.randperm(len(lengths) + 1, generator=gen)[: len(lengths)].tolist()
+        self.num_slots = len(lengths) + 1
+
+    def steps(self) -> list[list[tuple[int, int, int]]]:
+        """Per step, (request, start, end) of each request that advances; requests step in turn
+        with chunk sizes cycling through chunk_sizes (offset per request), so chunks cross blocks."""
+        done = [0] * len(self.lengths)
+        steps, k = [], 0
+        while any(d < n for d, n in zip(done, self.lengths)):
+            step = []
+            for r, n in enumerate(self.lengths):
+                if done[r] < n:
+                    size = self.chunk_sizes[(k + r) % len(self.chunk_sizes)]
+                    step.append((r, done[r], min(n, done[r] + size)))
+                    done[r] = step[-1][2]
+            steps.append(step)
+            k += 1
+        return steps
+
+    def context(self, step: list[tuple[int, int, int]]):
+        from tokenmill.layers.attention import AttentionMetadata
+        from tokenmill.layers.step_context import StepContext
+
+        positions = [p for _, start, end in step for p in range(start, end)]
+        qsl = [0]
+        for _, start, end in step:
+            qsl.append(qsl[-1] + end - start)
+        width = max(len(self.tables[r]) for r, _, _ in step)
+        tables = [self.tables[r] + [0] * (width - len(self.tables[r])) for r, _, _ in step]
+        slot_mapping = [self.tables[r][p // self.block_size] * self.block_size + p % self.block_size
+                        for r, start, end in step for p in range(start, end)]
+        metadata = AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            seq_lens=torch.tensor([end for _, _, end in step], dtype=torch.int32),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
+            query_lens_host=[end - start for _, start, end in step],
+            seq_lens_host=[end for _, _, end in step],
+        )
+        return StepContext(torch.tensor(positions), metadata,
+                           state_slots=torch.tensor([self.slots[r] for r, _, _ in step]))
