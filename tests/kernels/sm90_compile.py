@@ -34,9 +34,11 @@ from tokenmill.kernels.mla_absorbed import _mla_absorbed_kernel
 from tokenmill.kernels.mla_decode import plan_absorbed
 from tokenmill.kernels.mla_prefill import _mla_prefill_kernel
 from tokenmill.kernels.paged_attention import _merge_kernel, _paged_attention_kernel
+from tokenmill.kernels.qsa_index import _block_scores_kernel, score_block_size
 from tokenmill.kernels.rms_norm import _rms_norm_kernel
 from tokenmill.kernels.rotary import LAUNCH as ROTARY_LAUNCH
 from tokenmill.kernels.rotary import _rotary_cache_kernel, _rotary_kernel
+from tokenmill.kernels.sparse_attention import _sparse_attention_kernel, plan_sparse
 
 TARGET = GPUTarget("cuda", 90, 32)
 MAX_SHARED = 232448  # bytes of shared memory one sm_90 block may use
@@ -168,6 +170,32 @@ def mla_variants():
                     ROTATE=rotate, PAGE=64, QUANT=cache != "bf16", EMULATE_ROUNDING=False), 4, 1)
 
 
+def qsa_variants():
+    """Qwen4Exp's QSA at the real attention shape (16 query / 2 KV heads of 256, budget 2048 in
+    blocks of 4: 512 listed blocks), bf16 and FP8 K/V, decode (split) and prefill; the block
+    scores at index heads of 128 (16 and 64 heads: the published config does not fix them)."""
+    cuda = torch.device("cuda")
+    for cache in ("bf16", "fp8e4nv"):
+        for tokens in (1, 2048):
+            plan = plan_sparse(num_tokens=tokens, num_kv_heads=2, block_topk=512, ratio=4, head_dim=256, device=cuda,
+                               num_splits=16 if tokens == 1 else 1)
+            types = {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "q_ptr": "*bf16",
+                     "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}", "blocks_ptr": "*i32",
+                     "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "qk_scale": "fp32",
+                     "v_scale": "fp32"}
+            consts = dict(GROUP=8, HEAD_DIM=256, BLOCK_D=256, BLOCK_M=16, BLOCK_N=plan.block_n, TOPK=512, RATIO=4,
+                          PAGE=16, SPLIT=plan.split, MIN_SPLIT_TILES=plan.min_split_tiles, UPCAST=False, IEEE=False,
+                          F16_DOT=cache != "bf16", LAUNCH_NEXT=True)
+            yield (f"qsa sparse attention kv={cache} H=16/2 D=256 q={tokens}", _sparse_attention_kernel, types, consts,
+                   plan.num_warps, plan.num_stages)
+    for heads in (16, 64):
+        types = {"scores_ptr": "*fp32", "q_ptr": "*bf16", "cache_ptr": "*bf16", "block_tables_ptr": "*i32",
+                 "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "score_scale": "fp32"}
+        consts = dict(NUM_HEADS=heads, HEADS_P=heads, HEAD_DIM=128, DIM_P=128, RATIO=4, PAGE=16,
+                      BLOCK_C=score_block_size(cuda), UPCAST=False, IEEE=False)
+        yield f"qsa block scores NH={heads} D=128", _block_scores_kernel, types, consts, 4, 2
+
+
 QUICK_MLA = {"mla absorbed cache=bf16 H=16 q=1", "mla absorbed cache=fp8e4nv H=16 q=1", "mla absorbed cache=bf16 H=16 q=5",
              "mla merge 512 x 128 splits", "mla prefill 128+64 / 128", "mla prepare (norm, rope 1) cache=fp8e4nv H=16"}
 
@@ -184,9 +212,11 @@ def waits_before_writing(ptx: str) -> bool:
 def main(quick: bool = False) -> int:
     failures = 0
     variants = list(attention_variants()) + list(other_variants()) + list(moe_variants()) + list(mla_variants())
+    variants += list(qsa_variants())
     if quick:  # CI: the Llama-shaped bf16 and fp8 attention, the small and MoE kernels, MLA decode and verification
         variants = [v for v in variants if "H=32/8" in v[0] and v[0].startswith("attention bf16")] + list(other_variants())
         variants += list(moe_variants(quick=True)) + [v for v in mla_variants() if v[0] in QUICK_MLA]
+        variants += list(qsa_variants())
     for label, fn, types, consts, warps, stages in variants:
         try:
             kernel = compile_variant(fn, types, consts, warps, stages)

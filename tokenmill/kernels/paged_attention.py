@@ -43,6 +43,30 @@ def _find_request(qsl_ptr, num_requests, tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _online_softmax_step(
+    acc, m_i, l_i, q, k, v, visible, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One tile of keys k [BLOCK_N, D] and values v into the running (acc, m_i, l_i) of q's rows.
+    With MASKED, only keys where `visible` [BLOCK_M, BLOCK_N] (or a broadcastable mask) holds count."""
+    s = mm(q, tl.trans(k.to(q.dtype)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST, IEEE)
+    s = s * qk_scale
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no visible key yet keeps m = -inf; shift by 0 to avoid inf - inf.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_shift = m_new
+    p = tl.math.exp2(s - m_shift[:, None])
+    alpha = tl.math.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = mm(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], UPCAST, IEEE)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _attend_tiles(
     acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos, kv_end, t_lo, t_hi, offs_d,
     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
@@ -70,22 +94,12 @@ def _attend_tiles(
         else:
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        s = mm(q, tl.trans(k.to(q.dtype)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST, IEEE)
-        s = s * qk_scale
         if CAUSAL_MASK:
             visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # A row that has seen no visible key yet keeps m = -inf; shift by 0 to avoid inf - inf.
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_shift = m_new
-        p = tl.math.exp2(s - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = mm(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], UPCAST, IEEE)
-        m_i = m_new
+            visible = 0  # unread
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, visible, qk_scale, BLOCK_M, BLOCK_N,
+                                             CAUSAL_MASK, UPCAST, IEEE)
     return acc, m_i, l_i
 
 

@@ -73,6 +73,28 @@ class LatentAttentionSpec(PagedCacheSpec):
 
 
 @dataclass(frozen=True)
+class IndexerKeySpec(PagedCacheSpec):
+    """QSA's compressed index keys: one pooled key per `compress_ratio` tokens,
+    [num_blocks, block_size // compress_ratio, head_dim], beside the layer's K/V under the same
+    block ids (so a token's share is head_dim / compress_ratio values). Kept in the model dtype:
+    the block scores decide the selection, and an FP8 cache is for the K/V only."""
+
+    compress_ratio: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        if self.block_size % self.compress_ratio:
+            raise ValueError(f"block size {self.block_size} is not a multiple of the indexer's compress ratio "
+                             f"{self.compress_ratio}")
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.block_size // self.compress_ratio, self.head_dim)
+
+    def scaled_parts(self, cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return ()
+
+
+@dataclass(frozen=True)
 class StateTensor:
     name: str
     shape: tuple[int, ...]  # per request
