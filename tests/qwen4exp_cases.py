@@ -5,6 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import Qwen4ExpTextConfig
+from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextAttention, Qwen4ExpTextRotaryEmbedding
+
+from tokenmill.kv.planner import allocate_caches
+from tokenmill.kv.specs import CacheLayer
+from tokenmill.layers.attention.qsa import PartialRotary, QSAAttention
+from tokenmill.layers.attention.qsa_backends import QSABackend
+from tokenmill.models.llama import PACKED
+from tokenmill.models.weights import load_checkpoint
 
 
 def tiny_config(**overrides: object) -> Qwen4ExpTextConfig:
@@ -89,3 +97,41 @@ class ChunkedRun:
         )
         return StepContext(torch.tensor(positions), metadata,
                            state_slots=torch.tensor([self.slots[r] for r, _, _ in step]))
+
+
+def qsa_reference(theirs: Qwen4ExpTextAttention, config, x: torch.Tensor) -> torch.Tensor:
+    """transformers over one whole sequence x [S, hidden], no cache."""
+    seq = x.shape[0]
+    positions = torch.arange(seq)[None]
+    cos_sin = Qwen4ExpTextRotaryEmbedding(config)(x[None], positions)
+    mask = torch.full((seq, seq), torch.finfo(torch.float32).min).triu(1)[None, None]
+    with torch.no_grad():
+        return theirs(x[None], cos_sin, mask, cache=None)[0][0]
+
+
+def build_qsa(config, block_size: int, backend: QSABackend | None = None, seed: int = 0,
+              cache_dtype: torch.dtype | None = None) -> tuple[Qwen4ExpTextAttention, QSAAttention]:
+    theirs = Qwen4ExpTextAttention(config, layer_idx=3)
+    randomize_(theirs, seed=seed)
+    rotary = PartialRotary(config, config.head_dim, 512)
+    ours = QSAAttention(config, rotary, backend, block_size=block_size, cache_dtype=cache_dtype)
+    load_checkpoint(ours, theirs.state_dict().items(), PACKED)
+    return theirs, ours
+
+
+def run_qsa_chunked(ours: QSAAttention, run: ChunkedRun, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    layers = {name: m for name, m in ours.named_modules() if isinstance(m, CacheLayer)}
+    allocate_caches(layers, run.num_blocks + 1, run.num_slots + 1, "cpu")
+    ours.kv_cache.fill_(9.0)  # stale caches: nothing may be read before it is written
+    ours.indexer.index_cache.fill_(9.0)
+    if ours.indexer.window is not None:
+        ours.indexer.window.keys.fill_(9.0)
+    got = [torch.empty_like(x) for x in inputs]
+    with torch.no_grad():
+        for step in run.steps():
+            out = ours(torch.cat([inputs[r][a:b] for r, a, b in step]), run.context(step))
+            row = 0
+            for r, a, b in step:
+                got[r][a:b] = out[row : row + b - a]
+                row += b - a
+    return got
