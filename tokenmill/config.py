@@ -56,6 +56,17 @@ class CacheConfig:
     True needs kv_cache_dtype fp8."""
     attention_backend: str = AUTO
     """torch (reference, any device) or triton (CUDA); auto = triton on CUDA, torch on CPU."""
+    mamba_ssm_cache_dtype: str = AUTO
+    """Recurrent state of hybrid models (delta-rule / SSM states; conv windows keep the model
+    dtype): float32 or bfloat16 (half the bytes: more requests or snapshots in the same memory);
+    auto = the checkpoint's `mamba_ssm_dtype`, else float32."""
+    mamba_state_interval: int = 256
+    """Hybrid prefix caching: snapshot the recurrent state every this many tokens (a multiple of
+    --block-size) and at the last full block of each prompt; a prefix hit resumes from the deepest
+    snapshot of the matched prefix."""
+    mamba_snapshot_bytes: int | None = None
+    """Bytes of the recurrent-state snapshot pool (LRU) of hybrid prefix caching; None = a quarter
+    of the cache budget; 0 = no snapshots (hybrid models then get no prefix hits)."""
     num_blocks: int = 0
     """Resolved at start-up from the byte budget; not a flag."""
 
@@ -228,6 +239,14 @@ class EngineConfig:
         if cache.calculate_kv_scales and cache.kv_cache_dtype != "fp8":
             raise ConfigError("--calculate-kv-scales calibrates FP8 KV-cache scales but the KV cache is not FP8; "
                               "add --kv-cache-dtype fp8 or drop --calculate-kv-scales")
+        if cache.mamba_ssm_cache_dtype not in (AUTO, "float32", "bfloat16"):
+            raise ConfigError(f"unknown --mamba-ssm-cache-dtype {cache.mamba_ssm_cache_dtype!r}; "
+                              "use auto, float32 or bfloat16")
+        if cache.mamba_state_interval < cache.block_size or cache.mamba_state_interval % cache.block_size:
+            raise ConfigError(f"--mamba-state-interval {cache.mamba_state_interval} must be a positive multiple of "
+                              f"--block-size {cache.block_size}")
+        if cache.mamba_snapshot_bytes is not None and cache.mamba_snapshot_bytes < 0:
+            raise ConfigError("--mamba-snapshot-bytes must not be negative")
         backend = cache.attention_backend
         if backend == AUTO:
             backend = "triton" if device.startswith("cuda") else "torch"
@@ -318,6 +337,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "precision). Needs --kv-cache-dtype fp8")
     c.add_argument("--attention-backend", default=AUTO, choices=[AUTO, "torch", "triton"],
                    help="torch = reference (any device); triton = CUDA kernels; auto picks by device")
+    c.add_argument("--mamba-ssm-cache-dtype", default=AUTO, choices=[AUTO, "float32", "bfloat16"],
+                   help="recurrent state of hybrid models (GDN / SSM); auto = the checkpoint's mamba_ssm_dtype, "
+                        "else float32; bfloat16 halves the state bytes")
+    c.add_argument("--mamba-state-interval", type=int, default=256,
+                   help="hybrid prefix caching: snapshot the recurrent state every N tokens (a multiple of "
+                        "--block-size) and at each prompt's last full block")
+    c.add_argument("--mamba-snapshot-bytes", type=_byte_size, default=None,
+                   help="bytes of the LRU pool of recurrent-state snapshots, e.g. 2G; default: a quarter of the "
+                        "cache budget; 0 = no state snapshots (no prefix hits on hybrid models)")
 
     s = parser.add_argument_group("scheduler")
     s.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step")

@@ -38,3 +38,53 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """RMSNorm scaled by (1 + weight), the weight zero-initialised (Qwen3-Next, Qwen3.5, Gemma):
+    the reference rounds as transformers does, the product in float32 cast once. The Triton path
+    multiplies by a float32 copy of 1 + weight that `refresh` makes after loading."""
+
+    def __init__(self, hidden_size: int, eps: float, use_triton: bool = False) -> None:
+        super().__init__(hidden_size, eps, use_triton)
+        self.weight.data.zero_()
+        self.register_buffer("shifted", torch.ones(hidden_size, dtype=torch.float32), persistent=False)
+
+    def refresh(self) -> None:
+        self.shifted.copy_(1.0 + self.weight.detach().float())
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.use_triton:
+            from tokenmill.kernels.rms_norm import fused_add_rms_norm, rms_norm
+
+            if residual is None:
+                return rms_norm(x, self.shifted, self.eps).to(x.dtype)
+            out, total = fused_add_rms_norm(x, residual, self.shifted, self.eps)
+            return out.to(x.dtype), total
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """norm(x) * weight * silu(gate) over the last dim (the output norm of gated linear attention)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        return (h * torch.nn.functional.silu(gate.float())).to(dtype)

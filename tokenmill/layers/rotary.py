@@ -30,13 +30,16 @@ def _rope_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tenso
 
 
 class RotaryEmbedding(nn.Module):
-    """`use_triton` rotates q and k in place with the Triton kernel (CUDA only)."""
+    """`use_triton` rotates q and k in place with the Triton kernel (CUDA only). `rotary_dim` below
+    the head size rotates only the first rotary_dim channels of each head (partial rotary)."""
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int, use_triton: bool = False) -> None:
+    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int, use_triton: bool = False,
+                 rotary_dim: int | None = None) -> None:
         super().__init__()
         self.use_triton = use_triton
+        self.rotary_dim = rotary_dim or head_dim
         device = torch.empty(0).device  # where the model is being built
-        inv_freq, scaling = rope_inv_freq(config, head_dim)
+        inv_freq, scaling = rope_inv_freq(config, self.rotary_dim)
         # float32 throughout, exactly as transformers computes it.
         inv_freq = inv_freq.to(device)
         freqs = torch.arange(max_positions, dtype=torch.float, device=device)[:, None] * inv_freq[None, :]
@@ -44,12 +47,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", (torch.cat((freqs, freqs), -1).sin() * scaling), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rot = self.rotary_dim
         if self.use_triton:
             from tokenmill.kernels.rotary import apply_rotary_
 
+            if rot < q.shape[-1]:  # in place on the rotated channels' views
+                apply_rotary_(positions, q[..., :rot], k[..., :rot], self.cos, self.sin)
+                return q, k
             return apply_rotary_(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        if rot < q.shape[-1]:
+            return (torch.cat((_rotate(q[..., :rot], cos, sin), q[..., rot:]), dim=-1),
+                    torch.cat((_rotate(k[..., :rot], cos, sin), k[..., rot:]), dim=-1))
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
@@ -57,6 +67,9 @@ class RotaryEmbedding(nn.Module):
                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float, v_scale: float) -> torch.Tensor:
         """Fused path (CUDA): rotate q in place and write rotated k and v into the paged cache."""
         from tokenmill.kernels.rotary import rotate_and_cache_
+
+        if self.rotary_dim < q.shape[-1]:
+            raise ValueError("the fused rotary cache write rotates whole heads; partial rotary takes the unfused path")
 
         return rotate_and_cache_(positions, q, k, v, self.cos, self.sin, kv_cache, slot_mapping, k_scale, v_scale)
 

@@ -27,6 +27,9 @@ class StepContext:
     positions: torch.Tensor  # [T] int64
     attention: AttentionMetadata  # shared by every paged cache layer (they share block ids)
     state_slots: torch.Tensor | None = None  # [B] int64: each request's recurrent-state slot
+    # [T] int64: after this token also write the recurrent state into this slot (-1: none); set
+    # when a step keeps states for draft rollback or prefix-cache snapshots.
+    state_checkpoints: torch.Tensor | None = None
     token_rows: torch.Tensor | None = None  # [T] int64: the request row of each token
     request_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B, ...]
     keep_hidden: tuple[int, ...] = ()  # layers whose input hidden states the forward records

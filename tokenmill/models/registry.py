@@ -18,12 +18,20 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("tokenmill.models.llama", "Qwen3ForCausalLM"),
     "Qwen2MoeForCausalLM": ("tokenmill.models.qwen_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("tokenmill.models.qwen_moe", "Qwen3MoeForCausalLM"),
+    "Qwen3NextForCausalLM": ("tokenmill.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5ForCausalLM": ("tokenmill.models.qwen3_next", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("tokenmill.models.qwen3_next", "Qwen3_5MoeForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": ("tokenmill.models.qwen3_next", "Qwen3_5ForConditionalGeneration"),
+    "Qwen3_5MoeForConditionalGeneration": ("tokenmill.models.qwen3_next", "Qwen3_5MoeForConditionalGeneration"),
 }
 
 # For configs without `architectures` (e.g. built from GGUF metadata).
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                  "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+                  "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                  "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+                  "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
+                  "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 
 
 def register_model(architecture: str, module: str, class_name: str, model_type: str | None = None) -> None:
@@ -31,6 +39,16 @@ def register_model(architecture: str, module: str, class_name: str, model_type: 
     _MODELS[architecture] = (module, class_name)
     if model_type is not None:
         _BY_MODEL_TYPE[model_type] = architecture
+
+
+def serving_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The config the engine runs a checkpoint with (its model class's `serving_config`); an
+    unsupported architecture is left for `model_class` to refuse."""
+    try:
+        cls = model_class(config)
+    except ModelLoadError:
+        return config
+    return cls.serving_config(config)
 
 
 def supported_architectures() -> list[str]:

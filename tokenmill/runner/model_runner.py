@@ -15,7 +15,7 @@ from tokenmill.layers.attention import ATTENTION_BACKENDS, AttentionMetadata
 from tokenmill.layers.step_context import StepContext
 from tokenmill.models.interface import CausalLM, ModelBuild
 from tokenmill.models.loader import CheckpointSource
-from tokenmill.numerics import KV_CACHE_DTYPES
+from tokenmill.numerics import KV_CACHE_DTYPES, recurrent_state_dtype
 from tokenmill.runner.batch import Chunk, pack
 from tokenmill.runner.cuda_graphs import MAX_CAPTURED_TOKENS, StepGraphs
 from tokenmill.runner.kv_calibration import configure_kv_scales
@@ -82,8 +82,9 @@ class ModelRunner:
         self.use_triton = self.device.type == "cuda"  # the fused Triton kernels; import fails closed below
         if self.use_triton:
             _require_triton()
+        state_dtype = recurrent_state_dtype(config.cache.mamba_ssm_cache_dtype, getattr(hf_config, "mamba_ssm_dtype", None))
         self.build = ModelBuild(hf_config, self.backend, config.model.max_model_len, self.block_size, self.kv_dtype,
-                                self.use_triton)
+                                self.use_triton, state_dtype=state_dtype)
         dummy = config.model.load_format == "dummy"
         check_weights_fit(model_weight_bytes(self.build, self.dtype), config, self.device,
                           kv_cache_bytes=config.cache.kv_cache_bytes)

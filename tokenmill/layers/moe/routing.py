@@ -79,7 +79,7 @@ class RoutingConfig:
 
     @classmethod
     def from_hf_config(cls, config: PretrainedConfig) -> RoutingConfig:
-        """The routing of a Qwen2-MoE, Qwen3-MoE, Qwen3-Next, DeepSeek-V2, DeepSeek-V3 or Kimi-Linear config."""
+        """The routing of a Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, DeepSeek-V2, DeepSeek-V3 or Kimi-Linear config."""
         family = _FAMILIES.get(getattr(config, "model_type", None))
         if family is None:
             raise ConfigError(f"no MoE routing is known for model_type {getattr(config, 'model_type', None)!r}; "
@@ -95,7 +95,9 @@ class RoutingConfig:
         if method not in family.topk_methods:
             raise ConfigError(f"{config.model_type}: topk_method {method!r} is not supported; "
                               f"use one of {', '.join(family.topk_methods)}")
-        renormalize = bool(_first(config, "norm_topk_prob", "moe_renormalize") or False)
+        renormalize = family.renormalize
+        if renormalize is None:
+            renormalize = bool(_first(config, "norm_topk_prob", "moe_renormalize") or False)
         if renormalize and not family.honours_norm_topk_prob:
             raise ConfigError(f"{config.model_type} with norm_topk_prob = true is routed differently by transformers "
                               "(which ignores it) and the original code (which then skips routed_scaling_factor); "
@@ -126,6 +128,7 @@ class _Family:
     topk_method: str  # when the config names none
     honours_norm_topk_prob: bool = True
     float32_logits: bool = False
+    renormalize: bool | None = None  # fixed whatever the config says (None: the config's norm_topk_prob)
 
 
 _QWEN = _Family("softmax", ("greedy",), "greedy")
@@ -133,6 +136,7 @@ _FAMILIES: dict[str | None, _Family] = {
     "qwen2_moe": _QWEN,
     "qwen3_moe": _QWEN,
     "qwen3_next": _QWEN,
+    "qwen3_5_moe_text": _Family("softmax", ("greedy",), "greedy", renormalize=True),  # its router always renormalises
     "deepseek_v2": _Family("softmax", ("greedy", "group_limited_greedy"), "greedy", honours_norm_topk_prob=False,
                            float32_logits=True),
     "deepseek_v3": _Family("sigmoid", ("noaux_tc",), "noaux_tc", float32_logits=True),

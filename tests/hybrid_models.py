@@ -1,0 +1,71 @@
+"""Tiny random Gated-DeltaNet hybrids (Qwen3-Next, Qwen3.5 dense and MoE) saved with transformers'
+own save_pretrained, and the prompts their tests share.
+
+Every switch of the families is set in some config: value heads = 2 x key heads (a wrong
+grouping of Qwen3-Next's packed projections would pass with equal counts) or 3 x, attention
+every 4th layer or every 2nd, partial rotary 1/4 or 1/2, dense and sparse layers
+(decoder_sparse_step, mlp_only_layers), norm_topk_prob on and off, tied embeddings. The
+recurrent parameters get slow decays, so state carried across chunks and steps matters.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen3NextConfig
+from transformers.models.qwen3_5 import Qwen3_5TextConfig
+from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+
+VOCAB = 192
+COMMON = dict(vocab_size=VOCAB, hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=512, rms_norm_eps=1e-6, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+              linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, pad_token_id=None,
+              bos_token_id=None, eos_token_id=None)
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=32,
+           experts_implementation="eager")
+
+HYBRID_CONFIGS: dict[str, PretrainedConfig] = {
+    "qwen3_next": Qwen3NextConfig(**COMMON, **MOE, num_hidden_layers=4, intermediate_size=40, norm_topk_prob=True,
+                                  partial_rotary_factor=0.25),
+    "qwen3_next-dense-interval2-half-rotary": Qwen3NextConfig(
+        **{**COMMON, "linear_num_value_heads": 6}, **MOE, num_hidden_layers=4, intermediate_size=40,
+        norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[3], full_attention_interval=2,
+        partial_rotary_factor=0.5, tie_word_embeddings=True),
+    "qwen3_5_moe": Qwen3_5MoeTextConfig(**COMMON, **MOE, num_hidden_layers=4, partial_rotary_factor=0.25),
+    "qwen3_5": Qwen3_5TextConfig(**COMMON, num_hidden_layers=4, intermediate_size=40, partial_rotary_factor=0.5),
+}
+
+
+def save_hybrid(name: str, directory: Path, seed: int = 0) -> torch.nn.Module:
+    """The named model with seeded random weights, saved by transformers; returned in float32."""
+    torch.manual_seed(seed)
+    config = HYBRID_CONFIGS[name]
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if param_name.endswith("A_log"):  # decay rates exp(A_log) * softplus(a + dt_bias): slow
+                p.copy_(torch.empty(p.shape).uniform_(0.02, 0.5, generator=gen).log())
+            elif param_name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5 - 2.0)
+            elif p.dim() == 1:  # norm weights: (1 + w) norms around 1, the gated norm's w around 1
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if "linear_attn.norm" in param_name else 0.0))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    model.save_pretrained(directory)
+    return model.eval()
+
+
+def random_prompts(lengths: tuple[int, ...], seed: int = 1) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
+    """transformers' greedy continuation (one full forward per token: no cache to trust)."""
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt):]
