@@ -9,9 +9,13 @@ from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextAttenti
 
 from tokenmill.kv.planner import allocate_caches
 from tokenmill.kv.specs import CacheLayer
-from tokenmill.layers.attention.qsa import PartialRotary, QSAAttention
+from tokenmill.layers.attention import ATTENTION_BACKENDS
 from tokenmill.layers.attention.qsa_backends import QSABackend
+from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.models.interface import ModelBuild
 from tokenmill.models.llama import PACKED
+from tokenmill.models.qwen3_next import rotary_dim
+from tokenmill.models.qwen4_exp import IndexedAttention
 from tokenmill.models.weights import load_checkpoint
 
 
@@ -109,17 +113,23 @@ def qsa_reference(theirs: Qwen4ExpTextAttention, config, x: torch.Tensor) -> tor
         return theirs(x[None], cos_sin, mask, cache=None)[0][0]
 
 
-def build_qsa(config, block_size: int, backend: QSABackend | None = None, seed: int = 0,
-              cache_dtype: torch.dtype | None = None) -> tuple[Qwen4ExpTextAttention, QSAAttention]:
+def build_qsa(config, block_size: int, qsa: QSABackend | None = None, seed: int = 0,
+              cache_dtype: torch.dtype | None = None) -> tuple[Qwen4ExpTextAttention, IndexedAttention]:
+    """transformers' attention with random weights, and ours loaded from its state dict (the
+    `qsa` backend in place of the torch one when given)."""
     theirs = Qwen4ExpTextAttention(config, layer_idx=3)
     randomize_(theirs, seed=seed)
-    rotary = PartialRotary(config, config.head_dim, 512)
-    ours = QSAAttention(config, rotary, backend, block_size=block_size, cache_dtype=cache_dtype)
+    backend = ATTENTION_BACKENDS["torch"]()
+    build = ModelBuild(config, backend, max_model_len=512, block_size=block_size, kv_cache_dtype=cache_dtype)
+    rotary = RotaryEmbedding(config, config.head_dim, 512, rotary_dim=rotary_dim(config))
+    ours = IndexedAttention(build, rotary, "self_attn")
+    if qsa is not None:
+        ours.qsa = ours.indexer.backend = qsa
     load_checkpoint(ours, theirs.state_dict().items(), PACKED)
     return theirs, ours
 
 
-def run_qsa_chunked(ours: QSAAttention, run: ChunkedRun, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+def run_qsa_chunked(ours: IndexedAttention, run: ChunkedRun, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     layers = {name: m for name, m in ours.named_modules() if isinstance(m, CacheLayer)}
     allocate_caches(layers, run.num_blocks + 1, run.num_slots + 1, "cpu")
     ours.kv_cache.fill_(9.0)  # stale caches: nothing may be read before it is written

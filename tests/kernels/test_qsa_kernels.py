@@ -11,7 +11,13 @@ from kernel_cases import on_cpu, on_gpu, paged_batch
 from tokenmill.kernels.kv_cache import quantize_fp8_ref
 from tokenmill.kernels.qsa_index import block_scores
 from tokenmill.kernels.sparse_attention import plan_sparse, sparse_paged_attention
-from tokenmill.layers.attention.qsa_ref import block_scores_ref, query_positions, sparse_attention_ref
+from tokenmill.layers.attention.qsa_ref import (
+    block_scores_ref,
+    query_positions,
+    select_blocks,
+    select_blocks_ref,
+    sparse_attention_ref,
+)
 
 FP8 = torch.float8_e4m3fn
 TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 2.5e-2}
@@ -57,6 +63,15 @@ def test_block_scores(requests, num_heads: int, head_dim: int, page: int, dtype:
     finite = torch.isfinite(ref)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got[finite], ref[finite], rtol=tol, atol=tol)
+    # A slice of the rows (a long prefill is scored a slice at a time) gives those rows.
+    first, rows = 3, 6
+    part = block_scores(q[first : first + rows], cache, md.query_start_loc, md.seq_lens, md.block_tables, ratio, width,
+                        first)
+    torch.testing.assert_close(part, block_scores(q, cache, md.query_start_loc, md.seq_lens, md.block_tables, ratio,
+                                                  width)[first : first + rows])
+    if dtype == torch.float32:  # no ties at these scores: both selections agree
+        topk = 3
+        assert torch.equal(select_blocks(got, topk), select_blocks_ref(q, cache, md, ratio, topk))
 
 
 @pytest.mark.parametrize("requests, heads, kv_heads, head_dim, topk, dtype, kv_dtype, splits, device", [

@@ -20,24 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.linear import Linear
+from tokenmill.layers.norm import ZeroCenteredRMSNorm
 from tokenmill.quantization import QuantizationConfig, Unquantized
 
 
-class GroupedRMSNorm(nn.Module):
-    """RMSNorm of each of `num_groups` groups of `group_size` channels, scaled by (1 + weight)
-    (zero-initialised weight [num_groups * group_size]); float32 math, one rounding at the end,
-    as transformers' Qwen4Exp / Qwen3-Next norms do. Input [..., num_groups, group_size]."""
-
-    def __init__(self, group_size: int, num_groups: int, eps: float) -> None:
-        super().__init__()
-        self.group_size, self.num_groups, self.eps = group_size, num_groups, eps
-        self.weight = nn.Parameter(torch.zeros(num_groups * group_size))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        scale = 1.0 + self.weight.float().view(self.num_groups, self.group_size)
-        return (h * scale).to(x.dtype)
+def stream_norm(hidden_size: int, hc_count: int, eps: float) -> ZeroCenteredRMSNorm:
+    """RMSNorm of each stream of [..., hc_count, hidden], scaled by (1 + its part of the weight)."""
+    return ZeroCenteredRMSNorm(hc_count * hidden_size, eps)
 
 
 class HyperConnection(nn.Module):
@@ -55,7 +44,7 @@ class HyperConnection(nn.Module):
             return Linear(in_features, out_features, bias=False,
                           method=quant.linear_method(f"{prefix}.{name}" if prefix else name))
 
-        self.hc_norm = GroupedRMSNorm(hidden_size, hc_count, eps)
+        self.hc_norm = stream_norm(hidden_size, hc_count, eps)
         self.input_mix_weight_down = linear("input_mix_weight_down", wide, lowrank)
         self.input_mix_weight_up = linear("input_mix_weight_up", lowrank, wide)
         self.block_inject_weight = linear("block_inject_weight", wide, hc_count) if inject else None

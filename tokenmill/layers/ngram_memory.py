@@ -28,15 +28,19 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from tokenmill.kv.specs import RecurrentStateSpec, StateTensor
-from tokenmill.layers.hyper_connections import GroupedRMSNorm
+from tokenmill.layers.hyper_connections import stream_norm
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.request_windows import RequestWindows
 from tokenmill.layers.step_context import StepContext
 from tokenmill.quantization import QuantizationConfig, Unquantized
+from tokenmill.quantization.base import Shard, set_weight_loader
+from tokenmill.quantization.weight_loading import output_rows_loader
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _LAYER_STRIDE = 10007
+HASH_CONSTANTS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
+"""Buffers a checkpoint stores beside the table; they follow from the config, so they are checked, not loaded."""
 
 
 def _mix64(value: int) -> int:
@@ -72,6 +76,20 @@ def primes_from(start: int, count: int) -> tuple[int, ...]:
     return tuple(found)
 
 
+def _load_table_by_row_shards(weight: nn.Parameter, parts: int) -> None:
+    """The table loads whole or as checkpoint shards (i, "rows"): torch.chunk's split into `parts`
+    (chunks of ceil(rows / parts) rows, maybe fewer of them)."""
+    rows = weight.shape[0]
+    chunk = -(-rows // max(1, parts))
+    sizes = [min(chunk, rows - start) for start in range(0, rows, chunk)]
+    by_rows = output_rows_loader(sizes)
+
+    def load(param: nn.Parameter, tensor: torch.Tensor, shard: Shard) -> None:
+        by_rows(param, tensor, shard[0] if isinstance(shard, tuple) else shard)
+
+    set_weight_loader(weight, load, shards=[(i, "rows") for i in range(len(sizes))])
+
+
 class NGramEmbedding(nn.Module):
     """Hashed n-gram ids of each token and their embeddings ([T, ple_embed_dim])."""
 
@@ -90,6 +108,7 @@ class NGramEmbedding(nn.Module):
         self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(sizes, dtype=torch.long), persistent=False)
         self.register_buffer("ngram_heads_offsets", torch.tensor(offsets, dtype=torch.long), persistent=False)
         self.ngram_embedding = nn.Embedding(rows, config.ple_embed_dim // num_heads)
+        _load_table_by_row_shards(self.ngram_embedding.weight, config.split_ngram_parts)
 
     def ngram_ids(self, history: torch.Tensor) -> torch.Tensor:
         """history [T, ngram_size]: each token's id, then the ids 1 .. ngram_size - 1 before it.
@@ -129,9 +148,9 @@ class PLELayer(nn.Module):
         self.ple_embedding = NGramEmbedding(config, ple_index)
         self.key_proj = Linear(embed_dim, wide, bias=False, method=quant.linear_method(f"{prefix}.key_proj"))
         self.value_proj = Linear(embed_dim, self.hidden_size, bias=False, method=quant.linear_method(f"{prefix}.value_proj"))
-        self.norm_key = GroupedRMSNorm(self.hidden_size, self.hc_count, config.rms_norm_eps)
-        self.norm_query = GroupedRMSNorm(self.hidden_size, self.hc_count, config.rms_norm_eps)
-        self.norm_conv = GroupedRMSNorm(self.hidden_size, self.hc_count, config.rms_norm_eps)
+        self.norm_key = stream_norm(self.hidden_size, self.hc_count, config.rms_norm_eps)
+        self.norm_query = stream_norm(self.hidden_size, self.hc_count, config.rms_norm_eps)
+        self.norm_conv = stream_norm(self.hidden_size, self.hc_count, config.rms_norm_eps)
         self.conv1d = nn.Conv1d(wide, wide, self.kernel_size, groups=wide, dilation=self.dilation, bias=False)
         self.ngram_context = torch.empty(0, dtype=torch.long)  # [slots, ngram_size - 1], bound by the runner
         self.conv_window = torch.empty(0)  # [slots, window, n * hidden]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.errors import ConfigError
+
 
 class RMSNorm(nn.Module):
     """`forward(x)` -> norm(x); `forward(x, residual)` -> (norm(x + residual), x + residual).
@@ -43,7 +45,9 @@ class RMSNorm(nn.Module):
 class ZeroCenteredRMSNorm(RMSNorm):
     """RMSNorm scaled by (1 + weight), the weight zero-initialised (Qwen3-Next, Qwen3.5, Gemma):
     the reference rounds as transformers does, the product in float32 cast once. The Triton path
-    multiplies by a float32 copy of 1 + weight that `refresh` makes after loading."""
+    multiplies by a float32 copy of 1 + weight that `refresh` makes after loading. A weight k times
+    the last dim normalises each of k groups of an input [..., k, D] with its part of the weight
+    (hyper-connection streams; the PyTorch path only)."""
 
     def __init__(self, hidden_size: int, eps: float, use_triton: bool = False) -> None:
         super().__init__(hidden_size, eps, use_triton)
@@ -71,20 +75,27 @@ class ZeroCenteredRMSNorm(RMSNorm):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+        return (h * (1.0 + self.weight.float()).view(-1, h.shape[-1]).squeeze(0)).to(x.dtype)
+
+
+GATE_ACTIVATIONS = {"silu": torch.nn.functional.silu, "sigmoid": torch.sigmoid}
 
 
 class GatedRMSNorm(nn.Module):
-    """norm(x) * weight * silu(gate) over the last dim (the output norm of gated linear attention)."""
+    """norm(x) * weight * act(gate) over the last dim (the output norm of gated linear attention):
+    act is SiLU, or sigmoid for Qwen4Exp's `output_gate_type`."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, activation: str = "silu") -> None:
         super().__init__()
+        if activation not in GATE_ACTIVATIONS:
+            raise ConfigError(f"the gated norm's activation {activation!r} is not one of {', '.join(GATE_ACTIVATIONS)}")
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.activation = GATE_ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         h = self.weight * h.to(dtype)
-        return (h * torch.nn.functional.silu(gate.float())).to(dtype)
+        return (h * self.activation(gate.float())).to(dtype)

@@ -5,7 +5,9 @@ n-gram context) keep each request's last L rows in a state slot (oldest first). 
 batch a token's earlier rows are in the same chunk or, before the chunk's first token, in its
 request's slot, never in the request packed before it. `RequestWindows` puts the slots' rows
 (`fill` for a request that starts at position 0) in front of the chunk rows, `ext`, and indexes
-into it; every index is computed on the device, so a step stays free of host reads.
+into it; every index is computed on the device, so a step stays free of host reads. A step with
+state checkpoints (`StepContext.state_checkpoints`: draft rollback, prefix-cache snapshots) also
+stores the window after each such token in its checkpoint slot, as the recurrent layers do.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class RequestWindows:
     ends: torch.Tensor  # [B] int64: one past its last row
     token_rows: torch.Tensor  # [T] int64: the request of each row
     fresh: torch.Tensor  # [B] bool: the request's chunk starts at position 0 (its slot holds nothing yet)
+    checkpoints: torch.Tensor | None = None  # [T]: also store the window after this token in this slot (-1: none)
 
     @classmethod
     def of(cls, ctx: StepContext) -> RequestWindows:
@@ -35,7 +38,8 @@ class RequestWindows:
         token_rows = ctx.token_rows
         if token_rows is None:
             token_rows = torch.searchsorted(qsl[1:], torch.arange(num_tokens, device=qsl.device), right=True)
-        return cls(ctx.state_slots, starts, qsl[1:], token_rows, ctx.positions[starts.clamp(max=num_tokens - 1)] == 0)
+        return cls(ctx.state_slots, starts, qsl[1:], token_rows, ctx.positions[starts.clamp(max=num_tokens - 1)] == 0,
+                   ctx.state_checkpoints)
 
     @property
     def num_requests(self) -> int:
@@ -67,5 +71,11 @@ class RequestWindows:
         return torch.where(rel >= 0, in_chunk, in_slot)
 
     def store(self, state: torch.Tensor, ext: torch.Tensor, length: int) -> None:
-        """Each request's slot of `state` becomes its last L inputs."""
+        """Each request's slot of `state` becomes its last L inputs; a checkpoint slot, the L
+        inputs up to its token (rows without one write the scratch slot, the pool's last)."""
+        if self.checkpoints is not None:
+            t = torch.arange(self.token_rows.shape[0], device=ext.device)
+            rows = [self.back(m, length) for m in range(length - 1, 0, -1)] + [self.num_requests * length + t]
+            target = torch.where(self.checkpoints >= 0, self.checkpoints.long(), state.shape[0] - 1)
+            state.index_copy_(0, target, ext[torch.stack(rows, dim=1)])
         state[self.slots] = ext[self.last(length)]

@@ -55,13 +55,16 @@ class RotaryEmbedding(nn.Module):
                 apply_rotary_(positions, q[..., :rot], k[..., :rot], self.cos, self.sin)
                 return q, k
             return apply_rotary_(positions, q, k, self.cos, self.sin)
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        if rot < q.shape[-1]:
-            return (torch.cat((_rotate(q[..., :rot], cos, sin), q[..., rot:]), dim=-1),
-                    torch.cat((_rotate(k[..., :rot], cos, sin), k[..., rot:]), dim=-1))
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return self.rotate(positions, q), self.rotate(positions, k)
 
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] rotated at positions [T], a new tensor (the PyTorch path)."""
+        rot = self.rotary_dim
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        if rot < x.shape[-1]:
+            return torch.cat((_rotate(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
+        return _rotate(x, cos, sin)
 
     def rotate_into_cache(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float, v_scale: float) -> torch.Tensor:

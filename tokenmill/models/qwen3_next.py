@@ -60,9 +60,12 @@ class GatedAttention(Attention):
         q = self.q_norm(q)
         k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim))
         q, k = self.rotary(ctx.positions, q, k)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, self.kv_cache, ctx.attention, self.scale, self.k_scale, self.v_scale)
+        out = self.attend(x, q, k, v.view(tokens, self.num_kv_heads, self.head_dim), ctx)
         return self.o_proj(out.flatten(1) * torch.sigmoid(gate.reshape(tokens, -1)))
+
+    def attend(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """Write k, v into the cache and attend: [T, heads, head_dim]. x is the layer's input."""
+        return self.backend.forward(q, k, v, self.kv_cache, ctx.attention, self.scale, self.k_scale, self.v_scale)
 
 
 class HybridDecoderLayer(nn.Module):

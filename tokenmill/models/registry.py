@@ -23,6 +23,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3_5MoeForCausalLM": ("tokenmill.models.qwen3_next", "Qwen3_5MoeForCausalLM"),
     "Qwen3_5ForConditionalGeneration": ("tokenmill.models.qwen3_next", "Qwen3_5ForConditionalGeneration"),
     "Qwen3_5MoeForConditionalGeneration": ("tokenmill.models.qwen3_next", "Qwen3_5MoeForConditionalGeneration"),
+    "Qwen4ExpForCausalLM": ("tokenmill.models.qwen4_exp", "Qwen4ExpForCausalLM"),
+    "Qwen4ExpForConditionalGeneration": ("tokenmill.models.qwen4_exp", "Qwen4ExpForConditionalGeneration"),
 }
 
 # For configs without `architectures` (e.g. built from GGUF metadata).
@@ -31,7 +33,8 @@ _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", 
                   "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                   "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
                   "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
-                  "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+                  "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration", "qwen4_exp_text": "Qwen4ExpForCausalLM",
+                  "qwen4_exp": "Qwen4ExpForConditionalGeneration"}
 
 
 def register_model(architecture: str, module: str, class_name: str, model_type: str | None = None) -> None:

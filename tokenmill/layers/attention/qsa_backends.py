@@ -18,6 +18,8 @@ from tokenmill.layers.attention.backend import AttentionMetadata
 from tokenmill.layers.attention.torch_ref import FP8, write_kv
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# A long prefill's block scores are made a slice of query rows at a time: at most this many floats.
+SCORE_ELEMENTS = 1 << 26
 
 
 class QSABackend(ABC):
@@ -39,10 +41,9 @@ class QSABackend(ABC):
         """This step's keys and values [T, Hkv, D] into the paged cache (FP8: stored / scale)."""
 
     @abstractmethod
-    def block_scores(self, q_index: torch.Tensor, index_cache: torch.Tensor, metadata: AttentionMetadata, ratio: int,
-                     first_token: int) -> torch.Tensor:
-        """[n, max_seq_len // ratio] scores of the query rows first_token .. first_token + n - 1
-        (q_index [n, NH, D] holds those rows), as qsa_ref.block_scores_ref."""
+    def select(self, q_index: torch.Tensor, index_cache: torch.Tensor, metadata: AttentionMetadata, ratio: int,
+               block_topk: int) -> torch.Tensor:
+        """[T, block_topk] int32: each query's best complete blocks, then -1 (the contract of qsa_ref)."""
 
     @abstractmethod
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, blocks: torch.Tensor,
@@ -57,14 +58,9 @@ class TorchQSABackend(QSABackend):
                  k_scale: float, v_scale: float) -> None:
         write_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale)
 
-    def block_scores(self, q_index: torch.Tensor, index_cache: torch.Tensor, metadata: AttentionMetadata, ratio: int,
-                     first_token: int) -> torch.Tensor:
-        # The reference scores every query; its rows before first_token are zeros of q_index's shape.
-        rows = sum(metadata.query_lens_host)
-        padded = q_index.new_zeros(rows, *q_index.shape[1:])
-        padded[first_token : first_token + q_index.shape[0]] = q_index
-        scores = qsa_ref.block_scores_ref(padded, index_cache, metadata, ratio)
-        return scores[first_token : first_token + q_index.shape[0]]
+    def select(self, q_index: torch.Tensor, index_cache: torch.Tensor, metadata: AttentionMetadata, ratio: int,
+               block_topk: int) -> torch.Tensor:
+        return qsa_ref.select_blocks_ref(q_index, index_cache, metadata, ratio, block_topk)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, blocks: torch.Tensor,
                ratio: int, scale: float, k_scale: float, v_scale: float) -> torch.Tensor:
@@ -88,10 +84,15 @@ class TritonQSABackend(QSABackend):
                  k_scale: float, v_scale: float) -> None:
         self._kv_cache.write_kv_cache(k, v, kv_cache, slot_mapping, k_scale, v_scale)
 
-    def block_scores(self, q_index: torch.Tensor, index_cache: torch.Tensor, metadata: AttentionMetadata, ratio: int,
-                     first_token: int) -> torch.Tensor:
-        return self._index.block_scores(q_index, index_cache, metadata.query_start_loc, metadata.seq_lens,
-                                        metadata.block_tables, ratio, metadata.max_seq_len // ratio, first_token)
+    def select(self, q_index: torch.Tensor, index_cache: torch.Tensor, metadata: AttentionMetadata, ratio: int,
+               block_topk: int) -> torch.Tensor:
+        """Scores a slice of query rows at a time (at most SCORE_ELEMENTS floats), then torch.topk."""
+        width = metadata.max_seq_len // ratio
+        rows = max(1, SCORE_ELEMENTS // max(1, width))
+        blocks = [qsa_ref.select_blocks(self._index.block_scores(
+            q_index[first : first + rows], index_cache, metadata.query_start_loc, metadata.seq_lens,
+            metadata.block_tables, ratio, width, first), block_topk) for first in range(0, q_index.shape[0], rows)]
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, blocks: torch.Tensor,
                ratio: int, scale: float, k_scale: float, v_scale: float) -> torch.Tensor:

@@ -37,14 +37,25 @@ def compressed_rows(block_table: torch.Tensor, num_blocks: int, page: int, ratio
     return block_table[tokens // page].long() * (page // ratio) + (tokens % page) // ratio
 
 
+def _request_keys(index_cache: torch.Tensor, block_table: torch.Tensor, count: int, ratio: int) -> torch.Tensor:
+    """[count, D] float32: a request's first `count` pooled keys."""
+    page = index_cache.shape[1] * ratio
+    return index_cache.view(-1, index_cache.shape[-1])[compressed_rows(block_table, count, page, ratio)].float()
+
+
+def _scores(q_index: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """[..., count]: sum over heads of relu(q . k) / sqrt(D) for q_index [..., NH, D], keys [count, D],
+    in transformers' order of operations (so that equal scores come out equal)."""
+    scores = torch.matmul(q_index.float(), keys.transpose(-1, -2)).transpose(-1, -2)
+    return torch.relu(scores).sum(dim=-1) / math.sqrt(q_index.shape[-1])
+
+
 def block_scores_ref(q_index: torch.Tensor, index_cache: torch.Tensor, metadata: AttentionMetadata,
                      ratio: int) -> torch.Tensor:
     """[T, max_seq_len // ratio] float32: sum over index heads of relu(q_h . k_c) / sqrt(D) for each
     query's complete blocks c, -inf past them. q_index [T, NH, D]; index_cache [pages, page // ratio, D]."""
-    num_tokens, _, dim = q_index.shape
-    page = index_cache.shape[1] * ratio
+    num_tokens = q_index.shape[0]
     width = metadata.max_seq_len // ratio
-    flat = index_cache.view(-1, dim)
     scores = torch.full((num_tokens, width), float("-inf"), dtype=torch.float32, device=q_index.device)
     positions = query_positions(metadata, q_index.device)
     start = 0
@@ -54,23 +65,40 @@ def block_scores_ref(q_index: torch.Tensor, index_cache: torch.Tensor, metadata:
         start += q_len
         if count == 0:
             continue
-        keys = flat[compressed_rows(metadata.block_tables[b], count, page, ratio)].float()
-        s = torch.relu(torch.einsum("thd,cd->thc", q_index[rows].float(), keys)).sum(1) / math.sqrt(dim)
-        complete = (positions[rows] + 1) // ratio
-        visible = torch.arange(count, device=s.device)[None, :] < complete[:, None]
+        s = _scores(q_index[rows], _request_keys(index_cache, metadata.block_tables[b], count, ratio))
+        visible = torch.arange(count, device=s.device)[None, :] < ((positions[rows] + 1) // ratio)[:, None]
         scores[rows, :count] = torch.where(visible, s, float("-inf"))
     return scores
 
 
 def select_blocks(scores: torch.Tensor, block_topk: int) -> torch.Tensor:
     """[T, block_topk] int32: the best-scoring blocks of each row, then -1 (scores are >= 0 where
-    a block exists, -inf where not)."""
+    a block exists, -inf where not). Blocks of equal score are taken in torch.topk's order."""
     num_tokens, width = scores.shape
     blocks = torch.full((num_tokens, block_topk), -1, dtype=torch.int32, device=scores.device)
     keep = min(block_topk, width)
     if keep:
         values, index = scores.topk(keep, dim=1)
         blocks[:, :keep] = torch.where(values == float("-inf"), -1, index).to(torch.int32)
+    return blocks
+
+
+def select_blocks_ref(q_index: torch.Tensor, index_cache: torch.Tensor, metadata: AttentionMetadata, ratio: int,
+                      block_topk: int) -> torch.Tensor:
+    """select_blocks(block_scores_ref(...)) one query at a time, each over exactly its complete
+    blocks as transformers does, so that blocks of equal score (all index heads negative: a score
+    of 0) are chosen alike."""
+    positions = query_positions(metadata, q_index.device).tolist()
+    blocks = torch.full((q_index.shape[0], block_topk), -1, dtype=torch.int32, device=q_index.device)
+    start = 0
+    for b, (q_len, seq_len) in enumerate(zip(metadata.query_lens_host, metadata.seq_lens_host)):
+        keys = _request_keys(index_cache, metadata.block_tables[b], seq_len // ratio, ratio)
+        for t in range(start, start + q_len):
+            complete = (positions[t] + 1) // ratio
+            if complete:
+                chosen = _scores(q_index[t], keys[:complete]).topk(min(block_topk, complete), dim=0).indices
+                blocks[t, : chosen.numel()] = chosen.to(torch.int32)
+        start += q_len
     return blocks
 
 

@@ -4,7 +4,7 @@
     q, k, v = silu(causal depthwise conv1d(q | k | v))      conv window kept per request
     beta = sigmoid(b);  g = -exp(A_log) * softplus(a + dt_bias)       (float32)
     S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T   per value head, q/k L2-normalised
-    o_t = S_t^T q_t / sqrt(d_k);   out = out_proj(rmsnorm(o) * w * silu(z))
+    o_t = S_t^T q_t / sqrt(d_k);   out = out_proj(rmsnorm(o) * w * silu(z))   (Qwen4Exp: or sigmoid(z))
 
 Value head h reads key head h // (n_v / n_k). Two projection layouts load into the same fused
 parameters: Qwen3.5's separate `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` (shards of
@@ -42,7 +42,8 @@ class GatedDeltaNet(nn.Module):
     """A cache layer: its state spec is one conv window over q | k | v and the delta-rule state."""
 
     def __init__(self, config: PretrainedConfig, prefix: str, quant: QuantizationConfig, *, grouped_projections: bool,
-                 state_dtype: torch.dtype, use_triton: bool = False) -> None:
+                 state_dtype: torch.dtype, use_triton: bool = False, output_gate: str = "silu") -> None:
+        """output_gate: the gated output norm's activation (silu; Qwen4Exp's output_gate_type may be sigmoid)."""
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ConfigError(f"Gated DeltaNet convolves with SiLU; hidden_act {config.hidden_act!r} is not supported")
@@ -65,7 +66,7 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_width, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads, dtype=torch.float32), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads, dtype=torch.float32), requires_grad=False)
-        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, output_gate)
         self.out_proj = Linear(self.value_dim, hidden, bias=False, method=quant.linear_method(f"{prefix}.out_proj"))
         self.spec = conv_delta_spec({CONV_STATE: (self.conv_width, self.conv_dim)}, torch.get_default_dtype(),
                                     self.num_v_heads, self.head_k_dim, self.head_v_dim, state_dtype)

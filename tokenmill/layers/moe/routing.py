@@ -79,7 +79,8 @@ class RoutingConfig:
 
     @classmethod
     def from_hf_config(cls, config: PretrainedConfig) -> RoutingConfig:
-        """The routing of a Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, DeepSeek-V2, DeepSeek-V3 or Kimi-Linear config."""
+        """The routing of a Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Qwen4Exp, DeepSeek-V2, DeepSeek-V3 or
+        Kimi-Linear config."""
         family = _FAMILIES.get(getattr(config, "model_type", None))
         if family is None:
             raise ConfigError(f"no MoE routing is known for model_type {getattr(config, 'model_type', None)!r}; "
@@ -136,6 +137,7 @@ _FAMILIES: dict[str | None, _Family] = {
     "qwen2_moe": _QWEN,
     "qwen3_moe": _QWEN,
     "qwen3_next": _QWEN,
+    "qwen4_exp_text": _QWEN,
     "qwen3_5_moe_text": _Family("softmax", ("greedy",), "greedy", renormalize=True),  # its router always renormalises
     "deepseek_v2": _Family("softmax", ("greedy", "group_limited_greedy"), "greedy", honours_norm_topk_prob=False,
                            float32_logits=True),

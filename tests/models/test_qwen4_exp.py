@@ -1,0 +1,118 @@
+"""Qwen4Exp against transformers' Qwen4ExpForCausalLM, float32 on the CPU: prefill logits chunk by
+chunk through the paged K/V and index caches and the state slots, every decode step's logits and
+greedy token (prompts of 5 to 300 tokens, QSA budgets of 8 and 16 tokens); a batch under chunked
+prefill and forced preemption gives transformers' greedy tokens and returns every slot and block;
+a Qwen4ExpForConditionalGeneration checkpoint serves its text model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hybrid_models import hf_greedy
+from parity import check_parity
+from qwen4exp_models import QWEN4EXP_CONFIGS, random_prompts, save_qwen4exp
+from safetensors.torch import save_file
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.kv.specs import FullAttentionSpec, IndexerKeySpec, RecurrentStateSpec
+from tokenmill.models.qwen4_exp import IndexedAttention
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory):
+    """One saved checkpoint per config, shared by the tests of this file."""
+
+    class Saved(dict):
+        def __missing__(self, name: str) -> tuple[Path, torch.nn.Module]:
+            path = tmp_path_factory.mktemp(name)
+            self[name] = (path, save_qwen4exp(name, path))
+            return self[name]
+
+    return Saved()
+
+
+def qwen4exp_llm(path: Path, **overrides: object) -> LLM:
+    settings = dict(device="cpu", dtype="float32", block_size=8, max_num_batched_tokens=64, kv_cache_bytes=1 << 22,
+                    max_num_seqs=4, max_model_len=512)
+    return LLM(str(path), **{**settings, **overrides})
+
+
+@pytest.mark.parametrize("name", list(QWEN4EXP_CONFIGS))
+def test_logits_and_greedy_tokens_match_transformers(name: str, saved) -> None:
+    path, hf_model = saved[name]
+    llm = qwen4exp_llm(path)
+    model = llm.engine.runner.model
+    config = hf_model.config
+    kinds = ["linear_attention" if hasattr(layer, "linear_attn") else "indexed_attention" for layer in model.layers]
+    assert kinds == config.layer_types
+    assert [i + 1 for i, layer in enumerate(model.layers) if layer.ple is not None] == config.ple_layer_ids
+    specs = model.cache_specs()
+    assert {type(s) for s in specs.values()} == {FullAttentionSpec, IndexerKeySpec, RecurrentStateSpec}
+    lengths = (5, 300) if name == "qwen4exp" else (70,)
+    assert max(lengths) > 4 * config.indexer_budget  # the selection binds (5 tokens decode past it)
+    for prompt in random_prompts(lengths):
+        check_parity(llm, hf_model, prompt, steps=24 if name == "qwen4exp" else 12, tol=1e-4)
+
+
+def test_batched_chunked_preempted_greedy_equals_transformers(saved) -> None:
+    """Six prompts at once in steps of 16 tokens, three sequences at most, a KV cache too small for
+    all of them: prefills split across steps, requests preempted and recomputed from scratch."""
+    path, hf_model = saved["qwen4exp"]
+    plan = qwen4exp_llm(path).engine.runner.cache_plan
+    budget = 4 * plan.bytes_per_state_slot + 27 * plan.bytes_per_block
+    llm = qwen4exp_llm(path, max_num_batched_tokens=16, max_num_seqs=3, kv_cache_bytes=budget, max_model_len=200)
+    prompts = random_prompts((5, 17, 40, 130, 29, 61), seed=2)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, 16)
+    engine = llm.engine
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.kv.pool.num_used == 0
+    assert engine.kv.state.num_free == engine.kv.state.num_slots
+
+
+def test_batch_invariance(saved) -> None:
+    """A prompt's greedy tokens are the same alone, beside others, and in tiny chunks."""
+    path, _ = saved["qwen4exp"]
+    prompts = random_prompts((70, 9, 33), seed=3)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    alone = qwen4exp_llm(path).generate(prompts[:1], params)[0].outputs[0].token_ids
+    together = qwen4exp_llm(path, max_num_batched_tokens=24).generate(prompts, params)[0].outputs[0].token_ids
+    assert alone == together
+
+
+def test_conditional_generation_checkpoint_serves_its_text_model(saved, tmp_path: Path) -> None:
+    """As published: config.json nests text_config under Qwen4ExpForConditionalGeneration, the text
+    weights live under model.language_model.*, beside a vision tower and an MTP head (not loaded);
+    the PLE table comes whole instead of in shards."""
+    path, hf_model = saved["qwen4exp"]
+    text_config = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen4ExpForConditionalGeneration"], "model_type": "qwen4_exp",
+        "text_config": text_config, "vision_config": {"depth": 1}}))
+    tensors = {k.replace("model.", "model.language_model.", 1): v for k, v in hf_model.state_dict().items()}
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+    tensors["mtp.fc_hidden.weight"] = torch.zeros(4, 4)
+    assert any(k.endswith("ngram_embedding.weight") for k in tensors)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
+    multimodal, text_only = qwen4exp_llm(tmp_path), qwen4exp_llm(path)
+    assert type(multimodal.engine.runner.model).__name__ == "Qwen4ExpForConditionalGeneration"
+    ours = dict(multimodal.engine.runner.model.state_dict())
+    for name, tensor in text_only.engine.runner.model.state_dict().items():
+        assert torch.equal(tensor, ours[name]), name
+    attention = multimodal.engine.runner.model.layers[3].self_attn
+    assert isinstance(attention, IndexedAttention) and attention.indexer.block_topk == 2
+
+
+def test_wrong_hash_constants_are_refused(saved, tmp_path: Path) -> None:
+    path, hf_model = saved["qwen4exp"]
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    tensors = dict(hf_model.state_dict())
+    tensors["model.layers.0.ple.ple_embedding.layer_multipliers"] = tensors[
+        "model.layers.0.ple.ple_embedding.layer_multipliers"] + 2
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(Exception, match="PLE hash constants"):
+        qwen4exp_llm(tmp_path)
