@@ -79,3 +79,28 @@ def test_packed_requests_do_not_hash_across_their_boundary() -> None:
         out = ours(torch.cat([streams, streams]), torch.cat([torch.tensor([50, 51, 52, 53, 54, 55]), ids]), ctx)
         alone = ours(streams, ids, ChunkedRun([6], block_size=4, chunk_sizes=(6,)).context([(0, 0, 6)]))
     torch.testing.assert_close(out[6:], alone)
+
+
+def test_state_checkpoint_resumes_mid_chunk() -> None:
+    """A step with state checkpoints stores the windows after the marked token in that slot; a
+    request resumed from it (rejected drafts rolled back, a prefix hit) continues exactly."""
+    config = tiny_config()
+    theirs = Qwen4ExpTextPLELayer(config, layer_idx=0, ple_layer_index=0)
+    randomize_(theirs, seed=4)
+    ours = PLELayer(config, ple_index=0)
+    ours.load_state_dict(theirs.state_dict(), strict=False)
+    ids = _sequences(config, [20], seed=9)[0]
+    streams = torch.randn(20, config.hc_count, config.hidden_size)
+    with torch.no_grad():
+        ref = theirs(streams.flatten(1)[None], ids[None], cache=None)[0].view_as(streams)
+    run = ChunkedRun([20], block_size=4)
+    ours.bind_cache(ours.cache_spec().allocate(4, "cpu"))
+    first = run.context([(0, 0, 12)])
+    first.state_slots = torch.tensor([0])
+    first.state_checkpoints = torch.tensor([-1] * 7 + [2] + [-1] * 4)  # the windows after position 7 -> slot 2
+    with torch.no_grad():
+        ours(streams[:12], ids[:12], first)
+        resumed = run.context([(0, 8, 20)])
+        resumed.state_slots = torch.tensor([2])
+        out = ours(streams[8:], ids[8:], resumed)
+    torch.testing.assert_close(out, ref[8:], rtol=1e-5, atol=1e-5)
