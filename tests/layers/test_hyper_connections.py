@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from qwen4exp_cases import randomize_, tiny_config
 from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextGatedResidual
 
-from qwen4exp_cases import randomize_, tiny_config
 from tokenmill.layers.hyper_connections import HyperConnection
 
 

@@ -3,9 +3,9 @@
 score[t, c] = sum over index heads h of relu(q[t, h] . k[c]) / sqrt(D) for c < (p_t + 1) // r
 (p_t the query's position, r the compress ratio), -inf for the other columns up to `width`.
 A launch may cover a run of the packed query rows (a long prefill is scored a slice at a time,
-so the [rows, width] scores stay small). A program owns one query and BLOCK_C blocks: it gathers their keys from the paged indexer cache
-([pages, page // r, D], block c in row (c r % page) // r of page block_table[c r // page]) and
-multiplies them by all the query's index heads at once. The position comes from seq_lens and
+so the [rows, width] scores stay small). A program owns one query and BLOCK_C blocks: it gathers
+their keys from the paged indexer cache ([pages, page // r, D], block c in row (c r % page) // r
+of page block_table[c r // page]) and multiplies them by all the query's index heads at once. The position comes from seq_lens and
 query_start_loc, as in paged attention, so the launch needs only host-side sizes (T, width).
 This is the part of a QSA step that grows with the context (one D-wide key per r tokens); the
 selection (torch.topk) and the attention over the selected tokens do not.

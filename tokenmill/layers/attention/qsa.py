@@ -1,9 +1,10 @@
 """QSA: Qwen4Exp's indexed sparse attention, over the paged K/V cache and a paged index-key cache.
 
 The attention is Qwen3-Next's gated GQA (models/qwen4_exp.py's IndexedAttention), except that
-each query attends only the tokens its indexer selects (this module). The indexer projects index queries (indexer_n_heads
-heads) and one shared raw index key per token (`index_qk_proj`); keys are mean-pooled over
-blocks of `indexer_compress_ratio` tokens, normalised and rotated at the block's first position.
+each query attends only the tokens its indexer selects (this module). The indexer projects
+index queries (indexer_n_heads heads) and one shared raw index key per token (`index_qk_proj`);
+keys are mean-pooled over blocks of `indexer_compress_ratio` tokens, normalised and rotated at
+the block's first position.
 A query scores its complete blocks (sum over index heads of relu(q . k) / sqrt(D)), keeps the
 indexer_budget / ratio best, and attends their tokens plus its own partial block
 (qsa_ref.py states the contract, transformers' Qwen4ExpTextQSAIndexer is the oracle).
@@ -30,6 +31,7 @@ from tokenmill.layers.request_windows import RequestWindows
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.layers.step_context import StepContext
 from tokenmill.quantization import QuantizationConfig
+
 
 class IndexKeyWindow(nn.Module):
     """A cache layer: each request's last ratio - 1 raw index keys, in its state slot."""
