@@ -130,11 +130,7 @@ def paged_attention(
     ieee = q.dtype == torch.float32
     pdl = dependent_launch(q.device)
     splits = plan.num_splits
-    if plan.split:
-        part_out = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_lse = out  # unused
+    part_out, part_lse = split_partials(out, splits)
     _paged_attention_kernel[(plan.num_tiles, num_kv_heads, splits)](
         out, part_out, part_lse,
         q, key_cache, value_cache,
@@ -150,10 +146,28 @@ def paged_attention(
         F16_DOT=key_cache.dtype == FP8_DTYPE and q.dtype == torch.bfloat16, LAUNCH_NEXT=pdl,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
-    if plan.split:
-        _merge_kernel[(num_tokens, num_heads)](
-            out, part_out, part_lse, query_start_loc, num_requests, num_heads, splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_P=next_pow2(splits), LAUNCH_NEXT=pdl,
-            num_warps=4 if head_dim >= 128 else 2,
-        )
+    merge_partials(out, part_out, part_lse, query_start_loc, num_requests, splits, pdl)
     return out
+
+
+def split_partials(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial outputs [T, H, splits, D], their log2-sum-exp [T, H, splits]) of a split launch
+    writing `out` [T, H, D] (`out` itself, unused, without splits)."""
+    if splits == 1:
+        return out, out
+    num_tokens, num_heads, head_dim = out.shape
+    return (torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=out.device),
+            torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=out.device))
+
+
+def merge_partials(out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor, query_start_loc: torch.Tensor,
+                   num_requests: int, splits: int, pdl: bool) -> None:
+    """Combine a split launch's partial outputs into `out` (nothing to do without splits)."""
+    if splits == 1:
+        return
+    num_tokens, num_heads, head_dim = out.shape
+    _merge_kernel[(num_tokens, num_heads)](
+        out, part_out, part_lse, query_start_loc, num_requests, num_heads, splits, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), SPLITS_P=next_pow2(splits), LAUNCH_NEXT=pdl,
+        num_warps=4 if head_dim >= 128 else 2,
+    )

@@ -104,6 +104,37 @@ def _attend_tiles(
 
 
 @triton.jit
+def _load_rows(q_ptr, token, head, row_ok, offs_d, stride_qt, stride_qh, qk_scale,
+               HEAD_DIM: tl.constexpr, F16_DOT: tl.constexpr):
+    """(q of each row (token, head), the softmax scale to use with it)."""
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if F16_DOT:
+        # FP8 keys and values widen to fp16 in one instruction per pair (to bf16 it takes three,
+        # and the kernel is bound by instructions, not bytes). q is scaled first so that it
+        # stays inside fp16's range; fp16 holds it, and p, more finely than bf16 does.
+        q = (q.to(tl.float32) * qk_scale).to(tl.float16)
+        qk_scale = 1.0
+    return q, qk_scale
+
+
+@triton.jit
+def _store_rows(acc, m_i, l_i, v_scale, out_ptr, part_out_ptr, part_lse_ptr, part, token, head, row_ok, offs_d,
+                stride_ot, stride_oh, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr):
+    """The normalised output of each row; with SPLIT, its partial output and log2-sum-exp at `part`."""
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc * (v_scale / l_safe)[:, None]
+    store_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    if SPLIT:
+        tl.store(part_lse_ptr + part, tl.where(seen, m_i + tl.math.log2(l_safe), float("-inf")), mask=row_ok)
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=store_mask)
+    else:
+        o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr, part_out_ptr, part_lse_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr,
@@ -147,6 +178,7 @@ def _paged_attention_kernel(
     full_tiles = (ctx_start + q_tile_start + 1) // BLOCK_N
     t_lo = 0
     t_hi = num_tiles
+    part = 0  # the partial-output rows of a split launch
     if SPLIT:
         # At least MIN_SPLIT_TILES per split, so short contexts leave the later splits empty
         # (a graph captured with many splits stays cheap on short requests).
@@ -160,15 +192,7 @@ def _paged_attention_kernel(
 
     q_pos = ctx_start + tok
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d[None, :] < HEAD_DIM
-    q_ptrs = q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok, other=0.0)
-    if F16_DOT:
-        # FP8 keys and values widen to fp16 in one instruction per pair (to bf16 it takes three,
-        # and the kernel is bound by instructions, not bytes). q is scaled first so that it
-        # stays inside fp16's range; fp16 holds it, and p, more finely than bf16 does.
-        q = (q.to(tl.float32) * qk_scale).to(tl.float16)
-        qk_scale = 1.0
+    q, qk_scale = _load_rows(q_ptr, q_start + tok, head, row_ok, offs_d, stride_qt, stride_qh, qk_scale, HEAD_DIM, F16_DOT)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -189,17 +213,8 @@ def _paged_attention_kernel(
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE, True, UPCAST, IEEE,
     )
 
-    seen = l_i > 0.0
-    l_safe = tl.where(seen, l_i, 1.0)
-    out = acc * (v_scale / l_safe)[:, None]
-    store_mask = row_ok[:, None] & d_ok
-    if SPLIT:
-        lse = tl.where(seen, m_i + tl.math.log2(l_safe), float("-inf"))
-        tl.store(part_lse_ptr + part, lse, mask=row_ok)
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=store_mask)
-    else:
-        o_ptrs = out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=store_mask)
+    _store_rows(acc, m_i, l_i, v_scale, out_ptr, part_out_ptr, part_lse_ptr, part, q_start + tok, head, row_ok, offs_d,
+                stride_ot, stride_oh, HEAD_DIM, SPLIT)
 
 
 @triton.jit

@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels._common import FP8_DTYPE, dependent_launch, interpreting, launch_next, next_pow2, sm_count
-from tokenmill.kernels.paged_attention import LOG2E, _find_request, _merge_kernel, _online_softmax_step
+from tokenmill.kernels.attention import merge_partials, split_partials
+from tokenmill.kernels.paged_attention import LOG2E, _find_request, _load_rows, _online_softmax_step, _store_rows
 
 MAX_SPLITS = 32
 DECODE_WAVES = 4
@@ -61,6 +62,7 @@ def _sparse_attention_kernel(
     head = kv_head * GROUP + rows
     t_lo = 0
     t_hi = num_tiles
+    part = 0  # the partial-output rows of a split launch
     if SPLIT:
         per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_SPLIT_TILES)
         t_lo = split * per_split
@@ -72,11 +74,8 @@ def _sparse_attention_kernel(
 
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < HEAD_DIM
-    q = tl.load(q_ptr + tok * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=row_ok[:, None] & d_ok,
-                other=0.0)
-    if F16_DOT:  # as in paged attention: FP8 keys and values widen to fp16 cheaply
-        q = (q.to(tl.float32) * qk_scale).to(tl.float16)
-        qk_scale = 1.0
+    token_rows = tl.full([BLOCK_M], 0, tl.int32) + tok
+    q, qk_scale = _load_rows(q_ptr, token_rows, head, row_ok, offs_d, stride_qt, stride_qh, qk_scale, HEAD_DIM, F16_DOT)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -101,16 +100,8 @@ def _sparse_attention_kernel(
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, ok[None, :], qk_scale, BLOCK_M, BLOCK_N,
                                              True, UPCAST, IEEE)
 
-    seen = l_i > 0.0
-    l_safe = tl.where(seen, l_i, 1.0)
-    out = acc * (v_scale / l_safe)[:, None]
-    store_mask = row_ok[:, None] & d_ok
-    if SPLIT:
-        tl.store(part_lse_ptr + part, tl.where(seen, m_i + tl.math.log2(l_safe), float("-inf")), mask=row_ok)
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=store_mask)
-    else:
-        o_ptrs = out_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=store_mask)
+    _store_rows(acc, m_i, l_i, v_scale, out_ptr, part_out_ptr, part_lse_ptr, part, token_rows, head, row_ok, offs_d,
+                stride_ot, stride_oh, HEAD_DIM, SPLIT)
 
 
 @dataclass(frozen=True)
@@ -169,11 +160,7 @@ def sparse_paged_attention(
     block_d = next_pow2(head_dim)
     pdl = dependent_launch(q.device)
     splits = plan.num_splits
-    if plan.split:
-        part_out = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_lse = out  # unused
+    part_out, part_lse = split_partials(out, splits)
     _sparse_attention_kernel[(num_tokens, num_kv_heads, splits)](
         out, part_out, part_lse, q, key_cache, value_cache, blocks,
         block_tables, seq_lens, query_start_loc,
@@ -189,10 +176,5 @@ def sparse_paged_attention(
         F16_DOT=key_cache.dtype == FP8_DTYPE and q.dtype == torch.bfloat16, LAUNCH_NEXT=pdl,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
-    if plan.split:
-        _merge_kernel[(num_tokens, num_heads)](
-            out, part_out, part_lse, query_start_loc, num_requests, num_heads, splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_P=next_pow2(splits), LAUNCH_NEXT=pdl,
-            num_warps=4 if head_dim >= 128 else 2,
-        )
+    merge_partials(out, part_out, part_lse, query_start_loc, num_requests, splits, pdl)
     return out
