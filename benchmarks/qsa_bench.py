@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from an uninstalled checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from attention_bench import timer  # CUDA-graph replays after an L2 flush; wall time on CPU
 
 from tokenmill.kernels.attention import paged_attention, plan_attention
 from tokenmill.kernels.qsa_index import block_scores
@@ -57,35 +57,6 @@ class Setup:
 
 FULL = Setup("cuda", 16, 2, 256, 16, 128, 4, 2048, (1, 16), (4096, 32768, 131072), 30)
 SMOKE = Setup("cpu", 4, 2, 32, 4, 16, 4, 16, (1, 2), (24, 64), 1)
-
-
-def timer(s: Setup) -> Callable[[Callable[[], object]], float]:
-    def cpu_time(fn: Callable[[], object]) -> float:
-        fn()
-        began = time.perf_counter()
-        fn()
-        return time.perf_counter() - began
-
-    def gpu_time(fn: Callable[[], object]) -> float:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            fn()  # compile and warm outside the capture
-            with torch.cuda.graph(graph, stream=stream):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
-        pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(s.repeats)]
-        for start, end in pairs:
-            flush.zero_()
-            start.record()
-            graph.replay()
-            end.record()
-        torch.cuda.synchronize()
-        return statistics.median(a.elapsed_time(b) for a, b in pairs) / 1e3
-
-    return gpu_time if s.device == "cuda" else cpu_time
 
 
 def decode_batch(s: Setup, batch: int, context: int) -> tuple[AttentionMetadata, int]:

@@ -10,6 +10,7 @@ recurrent parameters get slow decays, so state carried across chunks and steps m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,29 +38,46 @@ HYBRID_CONFIGS: dict[str, PretrainedConfig] = {
 }
 
 
+@torch.no_grad()
+def randomize_hybrid_(model: torch.nn.Module, seed: int) -> None:
+    """Seeded weights: slow recurrent decays, norms around their identity, the rest small."""
+    gen = torch.Generator().manual_seed(seed)
+    for param_name, p in model.named_parameters():
+        if param_name.endswith("A_log"):  # decay rates exp(A_log) * softplus(a + dt_bias): slow
+            p.copy_(torch.empty(p.shape).uniform_(0.02, 0.5, generator=gen).log())
+        elif param_name.endswith("dt_bias"):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5 - 2.0)
+        elif p.dim() == 1:  # norm weights: (1 + w) norms around 1, the gated norm's w around 1
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if "linear_attn.norm" in param_name else 0.0))
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
 def save_hybrid(name: str, directory: Path, seed: int = 0) -> torch.nn.Module:
     """The named model with seeded random weights, saved by transformers; returned in float32."""
     torch.manual_seed(seed)
-    config = HYBRID_CONFIGS[name]
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param_name, p in model.named_parameters():
-            if param_name.endswith("A_log"):  # decay rates exp(A_log) * softplus(a + dt_bias): slow
-                p.copy_(torch.empty(p.shape).uniform_(0.02, 0.5, generator=gen).log())
-            elif param_name.endswith("dt_bias"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5 - 2.0)
-            elif p.dim() == 1:  # norm weights: (1 + w) norms around 1, the gated norm's w around 1
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if "linear_attn.norm" in param_name else 0.0))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    model = AutoModelForCausalLM.from_config(HYBRID_CONFIGS[name], dtype=torch.float32)
+    randomize_hybrid_(model, seed)
     model.save_pretrained(directory)
     return model.eval()
 
 
-def random_prompts(lengths: tuple[int, ...], seed: int = 1) -> list[list[int]]:
+class SavedModels(dict):
+    """name -> (directory, transformers model), each saved by `save(name, directory)` on first use."""
+
+    def __init__(self, tmp_path_factory, save: Callable[[str, Path], torch.nn.Module]) -> None:
+        super().__init__()
+        self.tmp_path_factory, self.save = tmp_path_factory, save
+
+    def __missing__(self, name: str) -> tuple[Path, torch.nn.Module]:
+        path = self.tmp_path_factory.mktemp(name)
+        self[name] = (path, self.save(name, path))
+        return self[name]
+
+
+def random_prompts(lengths: tuple[int, ...], seed: int = 1, vocab: int = VOCAB) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:

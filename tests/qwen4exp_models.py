@@ -14,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from hybrid_models import random_prompts as hybrid_prompts
+from hybrid_models import randomize_hybrid_
 from qwen4exp_cases import tiny_config
 from transformers import PretrainedConfig, Qwen4ExpForCausalLM
 
@@ -34,17 +36,7 @@ def save_qwen4exp(name: str, directory: Path, seed: int = 0) -> torch.nn.Module:
     """The named model with seeded random weights, saved by transformers; returned in float32."""
     torch.manual_seed(seed)
     model = Qwen4ExpForCausalLM(QWEN4EXP_CONFIGS[name]).float()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param_name, p in model.named_parameters():
-            if param_name.endswith("A_log"):  # decay rates exp(A_log) * softplus(a + dt_bias): slow
-                p.copy_(torch.empty(p.shape).uniform_(0.02, 0.5, generator=gen).log())
-            elif param_name.endswith("dt_bias"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5 - 2.0)
-            elif p.dim() == 1:  # (1 + w) norms around 1, the gated norm's w around 1
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if "linear_attn.norm" in param_name else 0.0))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    randomize_hybrid_(model, seed)
     model.save_pretrained(directory)
     return model.eval()
 
@@ -52,5 +44,4 @@ def save_qwen4exp(name: str, directory: Path, seed: int = 0) -> torch.nn.Module:
 def random_prompts(lengths: tuple[int, ...], seed: int = 1) -> list[list[int]]:
     """Random ids; an end-of-sequence id (3) falls about once per 97 tokens, as documents packed
     in one prompt would."""
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+    return hybrid_prompts(lengths, seed, VOCAB)

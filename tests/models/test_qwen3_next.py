@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hybrid_models import HYBRID_CONFIGS, hf_greedy, random_prompts, save_hybrid
+from hybrid_models import HYBRID_CONFIGS, SavedModels, hf_greedy, random_prompts, save_hybrid
 from parity import check_parity
 from safetensors.torch import load_file, save_file
 
@@ -23,17 +23,9 @@ from tokenmill.layers.moe import SparseMoeBlock
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, torch.nn.Module]]:
+def saved(tmp_path_factory: pytest.TempPathFactory) -> SavedModels:
     """One saved checkpoint per config, shared by the tests of this file."""
-    cache: dict[str, tuple[Path, torch.nn.Module]] = {}
-
-    class Saved(dict):
-        def __missing__(self, name: str) -> tuple[Path, torch.nn.Module]:
-            path = tmp_path_factory.mktemp(name)
-            cache[name] = (path, save_hybrid(name, path))
-            return cache[name]
-
-    return Saved()
+    return SavedModels(tmp_path_factory, save_hybrid)
 
 
 def hybrid_llm(path: Path, **overrides: object) -> LLM:

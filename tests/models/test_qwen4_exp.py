@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hybrid_models import hf_greedy
+from hybrid_models import SavedModels, hf_greedy
 from parity import check_parity
 from qwen4exp_models import QWEN4EXP_CONFIGS, random_prompts, save_qwen4exp
 from safetensors.torch import save_file
@@ -22,16 +22,9 @@ from tokenmill.models.qwen4_exp import IndexedAttention
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory):
+def saved(tmp_path_factory: pytest.TempPathFactory) -> SavedModels:
     """One saved checkpoint per config, shared by the tests of this file."""
-
-    class Saved(dict):
-        def __missing__(self, name: str) -> tuple[Path, torch.nn.Module]:
-            path = tmp_path_factory.mktemp(name)
-            self[name] = (path, save_qwen4exp(name, path))
-            return self[name]
-
-    return Saved()
+    return SavedModels(tmp_path_factory, save_qwen4exp)
 
 
 def qwen4exp_llm(path: Path, **overrides: object) -> LLM:
