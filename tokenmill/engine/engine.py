@@ -68,10 +68,8 @@ class LLMEngine:
         draft = DraftModel(config) if config.speculative.method == "draft_model" else None
         self.runner = ModelRunner(config, hf_config, self.source, draft.cache_layers() if draft else None)
         self.config = config.with_num_blocks(self.runner.num_blocks)
-        self.kv = KVCacheCoordinator(self.runner.cache_plan, config.cache.enable_prefix_caching)
-        if self.kv.state is not None and config.speculative.method is not None:
-            raise ConfigError("speculative decoding on a model with recurrent state needs state checkpoints per "
-                              "draft position, which tokenmill does not keep yet; drop --speculative-config")
+        self.kv = KVCacheCoordinator(self.runner.cache_plan, config.cache.enable_prefix_caching,
+                                     config.cache.mamba_state_interval)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
         self.requests: dict[str, Request] = {}
