@@ -55,7 +55,7 @@ def gated_delta_rule(
     recurrent = uses_recurrent_path(num_tokens, num_requests)
     args = (q, k, v, g, beta, state, slots, cu_seqlens, has_initial_state)
     kwargs = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, checkpoint_slots=checkpoint_slots)
-    if True:  # the Triton kernels land in the next commits
+    if not _triton_wanted(q.device):
         return gated_delta_rule_ref(*args, **kwargs) if recurrent else gated_delta_rule_chunked_ref(*args, **kwargs)
     if recurrent:
         from tokenmill.kernels.gated_delta_recurrent import recurrent_gated_delta_rule
