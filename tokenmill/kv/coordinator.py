@@ -62,6 +62,7 @@ class KVCacheCoordinator:
         """Cached blocks matching the request's leading full blocks, as deep as every manager can
         resume from; leaves >= 1 token to compute."""
         hits = self.paged.find_cached_prefix(request)
+        paged_hits = len(hits)
         if self.state is not None and hits:
             depth = self.snapshots.deepest(request, len(hits))[0] if self.snapshots is not None else 0
             if self.snapshots is not None:
@@ -71,6 +72,7 @@ class KVCacheCoordinator:
         if self.paged.enable_prefix_caching:
             self.counters.queried_tokens += request.num_tokens
             self.counters.hit_tokens += len(hits) * self.block_size
+            self.counters.paged_hit_tokens += paged_hits * self.block_size
         return hits
 
     def allocate_slots(self, request: CachedRequest, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:

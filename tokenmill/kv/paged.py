@@ -26,7 +26,8 @@ class CachedRequest(Protocol):
 @dataclass
 class CacheCounters:
     queried_tokens: int = 0
-    hit_tokens: int = 0
+    hit_tokens: int = 0  # tokens resumed from the cache (every cache kind could)
+    paged_hit_tokens: int = 0  # tokens the paged blocks alone matched (more, when a state snapshot was shallower)
 
 
 class PagedCacheManager:
