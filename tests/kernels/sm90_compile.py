@@ -63,7 +63,7 @@ def compile_variant(fn, types: dict[str, str], consts: dict[str, object], num_wa
 
 def attention_variants():
     """(label, kernel, types, constexprs, warps, stages) for the shapes the engine runs."""
-    models = [(32, 8, 128), (16, 16, 64), (16, 8, 256), (28, 4, 128)]
+    models = [(32, 8, 128), (16, 16, 64), (16, 8, 256), (28, 4, 128), (16, 2, 256)]
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for kv_dtype in (dtype, torch.float8_e4m3fn):
             for heads, kv_heads, head_dim in models if dtype == torch.bfloat16 else models[:1]:
@@ -136,6 +136,16 @@ def other_variants():
                 "sin_ptr": "*fp32", "cache_ptr": f"*{cache}", "slot_ptr": "*i64", "k_scale": "fp32", "v_scale": "fp32"},
                dict(HALF=64, HALF_P=64, QH_P=32, KH_P=8, PAGE=16, QUANT=cache != "bf16", EMULATE_ROUNDING=False),
                ROTARY_LAUNCH["num_warps"], 1)
+    # Qwen3-Next / Qwen3.5: (1 + w) norms multiply by a float32 weight (float32 out), rotary on 64 of 256 channels.
+    norm_types = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "res_out_ptr": "*bf16",
+                  "eps": "fp32"}
+    yield ("zero-centred rms_norm+residual 2048", _rms_norm_kernel, norm_types,
+           dict(BLOCK=2048, HAS_RESIDUAL=True, LAUNCH_NEXT=True), 8, 1)
+    yield ("zero-centred q/k norm D=256", _rms_norm_kernel, norm_types, dict(BLOCK=256, HAS_RESIDUAL=False, LAUNCH_NEXT=True),
+           4, 1)
+    yield ("partial rotary 64 of D=256", _rotary_kernel,
+           {"pos_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32"},
+           dict(HALF=32, HALF_P=32, QH_P=16, KH_P=2), ROTARY_LAUNCH["num_warps"], 1)
 
 
 def mla_variants():

@@ -16,6 +16,7 @@ from toy_hybrid import ARCHITECTURE, ToyHybridForCausalLM
 from transformers import LlamaConfig
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.errors import ConfigError
 from tokenmill.kv.specs import FullAttentionSpec, RecurrentStateSpec
 from tokenmill.layers.attention import TorchReferenceBackend
 from tokenmill.layers.step_context import RequestInputSpec, StepContext
@@ -81,10 +82,18 @@ def test_greedy_output_equals_the_whole_sequence_oracle(toy_dir: Path, budget: i
     if max_num_seqs == 3:
         assert engine.scheduler.num_preemptions > 0
     assert engine.kv.pool.num_used == 0 and engine.kv.state.num_free == engine.kv.state.num_slots
-    # The same prompt again: no prefix hit can resume a recurrent state, and the answer is the same.
+    # The same prompt again: the toy's recurrent layers write no state checkpoints, so no prefix
+    # snapshot can resume their state: no hit, and the answer is the same.
     again = llm.generate([prompts()[2]], params)[0]
     assert again.num_cached_tokens == 0
     assert again.outputs[0].token_ids == outs[2].outputs[0].token_ids
+
+
+def test_speculation_needs_state_checkpoints(toy_dir: Path) -> None:
+    """Rolling the toy's state back to a draft position needs checkpoints it does not write: refused."""
+    with pytest.raises(ConfigError, match="keep no checkpoints"):
+        LLM(str(toy_dir), device="cpu", dtype="float32", kv_cache_bytes=1 << 20,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
 def test_graph_buffers_pad_state_slots_and_request_inputs(toy_dir: Path) -> None:

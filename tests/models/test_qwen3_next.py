@@ -54,8 +54,8 @@ def test_batched_chunked_preempted_greedy_equals_transformers(name: str, saved) 
     """Six prompts at once in steps of 16 tokens, three sequences at most, a KV cache too small for
     all of them: prefills split across steps, requests preempted and recomputed from scratch."""
     path, hf_model = saved[name]
-    llm = hybrid_llm(path, max_num_batched_tokens=16, max_num_seqs=3, kv_cache_bytes=27 * 2048 + 4 * 5376,
-                     max_model_len=200)
+    llm = hybrid_llm(path, max_num_batched_tokens=16, max_num_seqs=3, kv_cache_bytes=27 * 2048 + 8 * 5376,
+                     mamba_snapshot_bytes=4 * 5376, max_model_len=200)
     prompts = random_prompts((5, 17, 40, 130, 29, 61), seed=2)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     for prompt, out in zip(prompts, outs):

@@ -44,7 +44,8 @@ class EngineStats:
     kv_blocks_used: int
     kv_blocks_total: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int  # of those, tokens found
+    prefix_cache_hits: int  # of those, tokens found (and resumed: for hybrids, up to a state snapshot)
+    prefix_cache_paged_hits: int  # tokens the paged KV alone matched (hybrids: a snapshot may be shallower)
     num_preemptions: int
     num_prompt_tokens: int  # tokens computed for prompts (cache hits excluded)
     num_generation_tokens: int
@@ -52,6 +53,11 @@ class EngineStats:
     spec_num_draft_tokens: int
     spec_num_accepted_tokens: int
     spec_num_accepted_tokens_per_pos: list[int]
+    state_snapshot_lookups: int = 0  # hybrid prefix caching: lookups with a paged hit
+    state_snapshot_hits: int = 0  # of those, resumed from a recurrent-state snapshot
+    state_snapshots_cached: int = 0
+    state_snapshot_bytes_used: int = 0
+    state_snapshot_bytes_total: int = 0
 
 
 class LLMEngine:
@@ -68,10 +74,8 @@ class LLMEngine:
         draft = DraftModel(config) if config.speculative.method == "draft_model" else None
         self.runner = ModelRunner(config, hf_config, self.source, draft.cache_layers() if draft else None)
         self.config = config.with_num_blocks(self.runner.num_blocks)
-        self.kv = KVCacheCoordinator(self.runner.cache_plan, config.cache.enable_prefix_caching)
-        if self.kv.state is not None and config.speculative.method is not None:
-            raise ConfigError("speculative decoding on a model with recurrent state needs state checkpoints per "
-                              "draft position, which tokenmill does not keep yet; drop --speculative-config")
+        self.kv = KVCacheCoordinator(self.runner.cache_plan, config.cache.enable_prefix_caching,
+                                     config.cache.mamba_state_interval)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
         self.requests: dict[str, Request] = {}
@@ -342,6 +346,7 @@ class LLMEngine:
             kv_blocks_total=self.kv.num_blocks,
             prefix_cache_queries=counters.queried_tokens,
             prefix_cache_hits=counters.hit_tokens,
+            prefix_cache_paged_hits=counters.paged_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self._computed_prompt_tokens,
             num_generation_tokens=self._generated_tokens,
@@ -349,7 +354,17 @@ class LLMEngine:
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_num_accepted_tokens_per_pos=list(self.spec_stats.accepted_per_position),
+            **self._snapshot_stats(),
         )
+
+    def _snapshot_stats(self) -> dict[str, int]:
+        snapshots = self.kv.snapshots
+        if snapshots is None:
+            return {}
+        per_slot = self.kv.bytes_per_state_slot
+        return dict(state_snapshot_lookups=snapshots.counters.lookups, state_snapshot_hits=snapshots.counters.hits,
+                    state_snapshots_cached=snapshots.num_cached, state_snapshot_bytes_used=snapshots.num_cached * per_slot,
+                    state_snapshot_bytes_total=snapshots.num_slots * per_slot)
 
 
 

@@ -65,7 +65,7 @@ class Scheduler:
             self.running.remove(request)
         elif not request.is_finished:
             self.waiting.remove(request)
-        self.kv.free(request)
+        self.kv.free(request, keep_snapshots=False)
         request.finish("abort")
 
     def has_unfinished(self) -> bool:

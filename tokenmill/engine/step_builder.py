@@ -29,7 +29,7 @@ def build_step_input(
     if config.speculative.method is not None:
         length = config.benchmark_only.acceptance_length
         drafts = [_drafts_to_verify(r, length) for r in sampling]
-    return StepInput(rows, sampling_rows, masks, drafts)
+    return StepInput(rows, sampling_rows, masks, drafts, state_copies=kv.take_state_copies())
 
 
 def _request_rows(request: Request, n: int, kv: KVCacheCoordinator, previous_row: dict[int, int]) -> RequestRows:
@@ -51,8 +51,9 @@ def _request_rows(request: Request, n: int, kv: KVCacheCoordinator, previous_row
         assert known == n - 1, "at most one token per request is in flight"
         placeholder = previous_row[id(request)]
     sampled = drafts.count + 1 if start + n == request.num_tokens_with_drafts else 0
+    checkpoints = kv.state_checkpoints(request, len(request.prompt_token_ids), start, n, verifying=sampled > 1)
     return RequestRows(tokens, start, n, kv.block_tables[request.request_id], kv.state_slot(request.request_id),
-                       device_drafts, placeholder, sampled)
+                       device_drafts, placeholder, sampled, checkpoints)
 
 
 def _sampling_row(request: Request) -> SamplingRow:

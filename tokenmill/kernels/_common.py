@@ -78,3 +78,10 @@ def round_to_e4m3_grid(x):
     # Adding and removing 2**23 rounds a float32 below 2**22 to an integer, ties to even.
     steps = (a / ulp + 8388608.0) - 8388608.0
     return tl.where(x < 0, -steps * ulp, tl.where(x == 0, x, steps * ulp))  # keeps -0.0
+
+
+@triton.jit
+def and_flag(mask, flag):
+    """mask & flag for a per-program scalar flag (a loaded boolean or comparison): the
+    interpreter refuses a load mask broadcast from a scalar, so spread the flag first."""
+    return mask & ((mask.to(tl.int32) * 0 + flag.to(tl.int32)) != 0)

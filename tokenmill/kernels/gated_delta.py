@@ -1,42 +1,66 @@
-"""Gated delta rule over a pool of per-request states (placeholder reference; the gdn-kernels
-branch replaces this file with the reference and the Triton kernels behind the same functions)."""
+"""The gated delta rule (Gated DeltaNet, and KDA's per-channel gate) over packed variable-length
+batches whose states live in a pool of slots: the public entry point. The contract and the math
+are in gated_delta_ref.py, whose PyTorch forms are the references.
+
+On CUDA (or under TRITON_INTERPRET=1) the Triton kernels run: a recurrent kernel when the batch
+has few tokens per request (decode, speculative verification; no host sync, graph-safe) and the
+chunked kernels otherwise (prefill and chunked prefill; the chunk plan is made on the host).
+On CPU without the interpreter the PyTorch references run (the engine's CPU path).
+"""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from tokenmill.kernels.gated_delta_ref import (
+    check_gated_delta_args,
+    gated_delta_rule_chunked_ref,
+    gated_delta_rule_ref,
+)
 
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+__all__ = ["gated_delta_rule", "gated_delta_rule_ref", "gated_delta_rule_chunked_ref", "uses_recurrent_path"]
 
-
-def gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                         state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
-                         has_initial_state: torch.Tensor, *, scale: float, use_qk_l2norm: bool = True,
-                         checkpoint_slots: torch.Tensor | None = None) -> torch.Tensor:
-    num_v_heads = v.shape[1]
-    group = num_v_heads // k.shape[1]
-    qf = q.float().repeat_interleave(group, dim=1)
-    kf = k.float().repeat_interleave(group, dim=1)
-    if use_qk_l2norm:
-        qf, kf = _l2norm(qf), _l2norm(kf)
-    qf = qf * scale
-    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    starts = cu_seqlens.tolist()
-    checkpoints = None if checkpoint_slots is None else checkpoint_slots.tolist()
-    for r, slot in enumerate(slots.tolist()):
-        s = state[slot].float() if bool(has_initial_state[r]) else torch.zeros(state.shape[1:], device=v.device)
-        for t in range(starts[r], starts[r + 1]):
-            decay = g[t].float().exp()
-            s = s * (decay[:, :, None] if decay.dim() == 2 else decay[:, None, None])
-            kv_mem = (s * kf[t, :, :, None]).sum(-2)
-            delta = (v[t].float() - kv_mem) * beta[t].float()[:, None]
-            s = s + kf[t, :, :, None] * delta[:, None, :]
-            out[t] = (s * qf[t, :, :, None]).sum(-2)
-            if checkpoints is not None and checkpoints[t] >= 0:
-                state[checkpoints[t]] = s.to(state.dtype)
-        state[slot] = s.to(state.dtype)
-    return out.to(q.dtype)
+# Batches with at most this many tokens per request on average take the recurrent path, chosen
+# from shapes alone so that decode and verification (1 + gamma tokens) never read the device.
+RECURRENT_MAX_TOKENS_PER_REQUEST = 8
 
 
-gated_delta_rule = gated_delta_rule_ref
+def uses_recurrent_path(num_tokens: int, num_requests: int) -> bool:
+    return num_tokens <= RECURRENT_MAX_TOKENS_PER_REQUEST * max(1, num_requests)
+
+
+def _triton_wanted(device: torch.device) -> bool:
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def gated_delta_rule(
+    q: torch.Tensor,  # [T, Hk, Dk]
+    k: torch.Tensor,  # [T, Hk, Dk]
+    v: torch.Tensor,  # [T, Hv, Dv], Hv a multiple of Hk
+    g: torch.Tensor,  # float32 log-decay [T, Hv] or [T, Hv, Dk] (KDA)
+    beta: torch.Tensor,  # [T, Hv], already through the sigmoid
+    state: torch.Tensor,  # [num_slots, Hv, Dk, Dv] float32 or bfloat16, read and written in place
+    slots: torch.Tensor,  # [R] int32
+    cu_seqlens: torch.Tensor,  # [R + 1] int32
+    has_initial_state: torch.Tensor,  # [R] bool
+    *,
+    scale: float,
+    use_qk_l2norm: bool = True,
+    checkpoint_slots: torch.Tensor | None = None,  # [T] int32, -1: none
+) -> torch.Tensor:  # [T, Hv, Dv] in v's dtype
+    check_gated_delta_args(q, k, v, g, beta, state, slots, cu_seqlens, has_initial_state, checkpoint_slots)
+    num_tokens, num_requests = q.shape[0], slots.shape[0]
+    recurrent = uses_recurrent_path(num_tokens, num_requests)
+    args = (q, k, v, g, beta, state, slots, cu_seqlens, has_initial_state)
+    kwargs = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, checkpoint_slots=checkpoint_slots)
+    if not _triton_wanted(q.device):
+        return gated_delta_rule_ref(*args, **kwargs) if recurrent else gated_delta_rule_chunked_ref(*args, **kwargs)
+    if recurrent:
+        from tokenmill.kernels.gated_delta_recurrent import recurrent_gated_delta_rule
+
+        return recurrent_gated_delta_rule(*args, **kwargs)
+    from tokenmill.kernels.gated_delta_chunk import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule(*args, **kwargs)

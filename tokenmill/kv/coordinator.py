@@ -1,5 +1,6 @@
 """The coordinator: one request's caches across every manager — paged blocks (shared by every
-paged layer) and a recurrent-state slot — allocated, prefix-matched, freed and rolled back together."""
+paged layer), recurrent-state slots and state snapshots — allocated, prefix-matched, freed and
+rolled back together."""
 
 from __future__ import annotations
 
@@ -8,13 +9,22 @@ from collections.abc import Sequence
 from tokenmill.kv.block_pool import BlockPool
 from tokenmill.kv.paged import CacheCounters, CachedRequest, PagedCacheManager
 from tokenmill.kv.planner import CachePlan
-from tokenmill.kv.state import StateSlotManager
+from tokenmill.kv.state import NO_CHECKPOINT, StateSlotManager
+from tokenmill.kv.state_snapshots import StateSnapshotCache
 
 
 class KVCacheCoordinator:
-    def __init__(self, plan: CachePlan, enable_prefix_caching: bool) -> None:
+    def __init__(self, plan: CachePlan, enable_prefix_caching: bool, state_interval: int = 256) -> None:
         self.paged = PagedCacheManager(plan.num_blocks, plan.block_size, enable_prefix_caching)
-        self.state = StateSlotManager(plan.num_state_slots) if plan.bytes_per_state_slot else None
+        self.state: StateSlotManager | None = None
+        self.snapshots: StateSnapshotCache | None = None
+        if plan.bytes_per_state_slot:
+            self.state = StateSlotManager(plan.num_state_slots, plan.state_slots_per_seq - 1)
+            if enable_prefix_caching and plan.num_snapshot_slots:
+                self.snapshots = StateSnapshotCache(plan.first_snapshot_slot, plan.num_snapshot_slots, plan.block_size,
+                                                    state_interval)
+        self.bytes_per_state_slot = plan.bytes_per_state_slot
+        self._state_copies: list[tuple[int, int]] = []  # (snapshot slot, request slot) before the next forward
 
     @classmethod
     def paged_only(cls, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> KVCacheCoordinator:
@@ -52,16 +62,23 @@ class KVCacheCoordinator:
         """Cached blocks matching the request's leading full blocks, as deep as every manager can
         resume from; leaves >= 1 token to compute."""
         hits = self.paged.find_cached_prefix(request)
+        paged_hits = len(hits)
         if self.state is not None and hits:
-            hits = hits[: self.state.cached_prefix_blocks(request, len(hits))]
+            depth = self.snapshots.deepest(request, len(hits))[0] if self.snapshots is not None else 0
+            if self.snapshots is not None:
+                self.snapshots.counters.lookups += 1
+                self.snapshots.counters.hits += depth > 0
+            hits = hits[:depth]
         if self.paged.enable_prefix_caching:
             self.counters.queried_tokens += request.num_tokens
             self.counters.hit_tokens += len(hits) * self.block_size
+            self.counters.paged_hit_tokens += paged_hits * self.block_size
         return hits
 
     def allocate_slots(self, request: CachedRequest, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
-        """Give the request room for `num_new_tokens` past its computed (and cached) tokens, and a
-        state slot. Returns False, changing nothing, when a manager cannot supply it."""
+        """Give the request room for `num_new_tokens` past its computed (and cached) tokens, and
+        state slots (resumed from the snapshot of its cached prefix). Returns False, changing
+        nothing, when a manager cannot supply it."""
         if not self.paged.can_allocate(request, num_new_tokens, cached_blocks):
             return False
         if self.state is not None and not self.state.can_allocate(request):
@@ -69,12 +86,50 @@ class KVCacheCoordinator:
         self.paged.allocate(request, num_new_tokens, cached_blocks)
         if self.state is not None:
             self.state.allocate(request)
+            if cached_blocks and self.snapshots is not None:
+                depth, snapshot = self.snapshots.deepest(request, len(cached_blocks))
+                assert depth == len(cached_blocks) and snapshot is not None, "the prefix hit was trimmed to a snapshot"
+                self.snapshots.pin(snapshot)
+                self._state_copies.append((snapshot, self.state.slot(request.request_id)))
         return True
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """(source, destination) slots to copy before the next forward: snapshots that requests
+        admitted since the last call resume from."""
+        copies, self._state_copies = self._state_copies, []
+        if self.snapshots is not None:
+            self.snapshots.unpin_all()
+        return copies
+
+    def state_checkpoints(self, request: CachedRequest, prompt_len: int, start: int, num_rows: int,
+                          verifying: bool) -> list[int] | None:
+        """Per row of a step (positions start..), the state slot to write the state after it into,
+        or None when no row has one: spares of a verify step (for rollback), else snapshot slots at
+        the boundaries this step crosses."""
+        if self.state is None:
+            return None
+        if verifying:
+            return self.state.verify_checkpoints(request, start, num_rows)
+        if self.snapshots is None:
+            return None
+        self.paged.update_hashes(request)
+        rows = self.snapshots.boundary_rows(request, prompt_len, start, num_rows)
+        return [rows.get(i, NO_CHECKPOINT) for i in range(num_rows)] if rows else None
 
     def register_computed_blocks(self, request: CachedRequest) -> None:
         self.paged.register_computed_blocks(request)
+        if self.snapshots is not None:
+            self.paged.update_hashes(request)
+            self.snapshots.publish(request)
 
-    def free(self, request: CachedRequest) -> None:
+    def free(self, request: CachedRequest, keep_snapshots: bool = True) -> None:
+        """keep_snapshots: publish the state snapshots the request's launched steps wrote (not
+        after a failed step, which may not have written them)."""
+        if self.snapshots is not None:
+            if keep_snapshots:
+                self.paged.update_hashes(request)
+                self.snapshots.publish(request)
+            self.snapshots.drop(request)
         self.paged.free(request)
         if self.state is not None:
             self.state.free(request)

@@ -26,7 +26,8 @@ class CachedRequest(Protocol):
 @dataclass
 class CacheCounters:
     queried_tokens: int = 0
-    hit_tokens: int = 0
+    hit_tokens: int = 0  # tokens resumed from the cache (every cache kind could)
+    paged_hit_tokens: int = 0  # tokens the paged blocks alone matched (more, when a state snapshot was shallower)
 
 
 class PagedCacheManager:
@@ -49,7 +50,7 @@ class PagedCacheManager:
         """Cached blocks matching the request's leading full blocks; leaves >= 1 token to compute."""
         if not self.enable_prefix_caching:
             return []
-        self._update_hashes(request)
+        self.update_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
         for block_hash in request.block_hashes[:max_hit_blocks]:
@@ -89,7 +90,7 @@ class PagedCacheManager:
         full = min(request.num_computed_tokens, len(request.all_token_ids)) // self.block_size
         if full <= done:
             return
-        self._update_hashes(request)
+        self.update_hashes(request)
         for i in range(done, full):
             self.pool.cache(table[i], request.block_hashes[i])
         self.num_registered[request.request_id] = full
@@ -106,7 +107,8 @@ class PagedCacheManager:
         KV the sequence does not own any more, recomputed before anything reads it; registration
         only ever covers host-known, computed tokens."""
 
-    def _update_hashes(self, request: CachedRequest) -> None:
+    def update_hashes(self, request: CachedRequest) -> None:
+        """Hash the request's full host-known blocks not hashed yet."""
         hashes = request.block_hashes
         num_full = len(request.all_token_ids) // self.block_size
         if len(hashes) >= num_full:

@@ -103,9 +103,14 @@ class StateTensor:
 
 @dataclass(frozen=True)
 class RecurrentStateSpec(CacheSpec):
-    """Fixed-size tensors per running request, in slots: each [num_slots, *shape]."""
+    """Fixed-size tensors per running request, in slots: each [num_slots, *shape].
+
+    writes_checkpoints: the layer also writes the state after a row into the slot
+    `StepContext.state_checkpoints` names for it. Speculative decoding (rollback to a draft
+    position) and prefix snapshots need it; without it neither is offered."""
 
     tensors: tuple[StateTensor, ...]
+    writes_checkpoints: bool = False
 
     def bytes_per_slot(self) -> int:
         return sum(math.prod(t.shape) * t.dtype.itemsize for t in self.tensors)

@@ -96,6 +96,9 @@ class StepGraphs:
         self.scratch_state_slot = scratch_state_slot
         self.state_slots = None if scratch_state_slot is None else torch.full(
             (n,), scratch_state_slot, dtype=torch.int64, device=device)
+        # Per token, a slot to also write the state after it into (verify steps, prefix snapshots); -1 none.
+        self.state_checkpoints = None if scratch_state_slot is None else torch.full(
+            (tokens,), -1, dtype=torch.int64, device=device)
         self.request_input_specs = dict(request_inputs or {})
         self.request_inputs = {
             name: torch.full((n, *spec.shape), spec.pad, dtype=spec.dtype, device=device)
@@ -140,6 +143,7 @@ class StepGraphs:
         return StepContext(
             self.positions[:tokens], metadata,
             state_slots=None if self.state_slots is None else self.state_slots[:batch],
+            state_checkpoints=None if self.state_checkpoints is None else self.state_checkpoints[:tokens],
             token_rows=self.token_rows[:tokens],
             request_inputs={name: buffer[:batch] for name, buffer in self.request_inputs.items()},
         )
@@ -191,6 +195,11 @@ class StepGraphs:
             if ctx.state_slots is None:
                 raise ValueError(f"the {self.name} graphs were captured with state slots but the step has none")
             self.state_slots[:batch].copy_(ctx.state_slots, non_blocking=True)
+        if self.state_checkpoints is not None:
+            if ctx.state_checkpoints is not None:
+                self.state_checkpoints[:tokens].copy_(ctx.state_checkpoints, non_blocking=True)
+            else:
+                self.state_checkpoints[:tokens].fill_(-1)
         for name, buffer in self.request_inputs.items():
             buffer[:batch].copy_(ctx.request_inputs[name], non_blocking=True)
         if batch < bucket:
@@ -199,6 +208,8 @@ class StepGraphs:
             self.block_tables[batch:bucket].fill_(self.scratch_block)
             if self.state_slots is not None:
                 self.state_slots[batch:bucket].fill_(self.scratch_state_slot)
+            if self.state_checkpoints is not None:
+                self.state_checkpoints[tokens : bucket * self.query_len].fill_(-1)
             for name, buffer in self.request_inputs.items():
                 buffer[batch:bucket].fill_(self.request_input_specs[name].pad)
         return bucket, context

@@ -11,6 +11,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.errors import ConfigError
 from tokenmill.kv.planner import allocate_caches, plan_caches
 from tokenmill.kv.specs import CacheLayer
+from tokenmill.kv.state import NO_CHECKPOINT
 from tokenmill.layers.attention import ATTENTION_BACKENDS, AttentionMetadata
 from tokenmill.layers.step_context import StepContext
 from tokenmill.models.interface import CausalLM, ModelBuild
@@ -99,11 +100,14 @@ class ModelRunner:
         weight_bytes = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
         budget = kv_cache_budget(config, self.device, self._profile_step, weight_bytes)
         specs = {name: layer.cache_spec() for name, layer in self.cache_layers.items()}
+        spares = speculative.num_speculative_tokens if speculative.method is not None else 0
+        snapshot_bytes = config.cache.mamba_snapshot_bytes if config.cache.enable_prefix_caching else 0
         self.cache_plan = plan_caches(specs, budget, self.block_size, config.model.max_model_len,
-                                      config.scheduler.max_num_seqs)
+                                      config.scheduler.max_num_seqs, 1 + spares, snapshot_bytes)
         self.num_blocks = self.cache_plan.num_blocks
         # One block and one state slot beyond the pool: the scratch that padded CUDA-graph rows write into.
-        allocate_caches(self.cache_layers, self.num_blocks + 1, self.cache_plan.num_state_slots + 1, self.device)
+        self.state_tensors = allocate_caches(self.cache_layers, self.num_blocks + 1, self.cache_plan.scratch_slot + 1,
+                                             self.device)
         configure_kv_scales(self, source)
         self.graphs: list[StepGraphs] = []
         if not config.enforce_eager:
@@ -162,6 +166,7 @@ class ModelRunner:
         device_drafts: list[tuple[int, torch.Tensor]] = []
         logits_indices: list[int] = []
         state_slots: list[int] = []
+        checkpoints = [] if any(r.checkpoint_slots is not None for r in step.requests) else None
         row = 0
         for request in step.requests:
             tokens = list(request.token_ids)
@@ -175,6 +180,8 @@ class ModelRunner:
             chunks.append(Chunk(tokens, request.start, request.block_ids))
             if request.state_slot is not None:
                 state_slots.append(request.state_slot)
+            if checkpoints is not None:
+                checkpoints.extend(request.checkpoint_slots or [NO_CHECKPOINT] * request.num_rows)
             row += request.num_rows
             logits_indices.extend(range(row - request.num_sampled_rows, row))
         ids, positions, metadata = pack(chunks, self.block_size, self.device)
@@ -192,7 +199,8 @@ class ModelRunner:
         if state_slots and len(state_slots) != len(step.requests):
             raise ValueError("every request of a model with recurrent state needs a state slot")
         ctx = StepContext(positions, metadata,
-                          state_slots=to_device(state_slots, torch.int64, self.device) if state_slots else None)
+                          state_slots=to_device(state_slots, torch.int64, self.device) if state_slots else None,
+                          state_checkpoints=None if checkpoints is None else to_device(checkpoints, torch.int64, self.device))
         return BatchInputs(
             input_ids=ids,
             ctx=ctx,
@@ -206,6 +214,8 @@ class ModelRunner:
         them and sample the correction or bonus token). `previous` is the step still in flight,
         whose sampled ids feed this step's placeholders."""
         inputs = self.prepare_inputs(step, previous)
+        if step.state_copies:
+            self.copy_state_slots(step.state_copies)
         logits = self._logits(inputs)
         if logits is None:
             return None
@@ -251,6 +261,13 @@ class ModelRunner:
                     return graphs.run_padded(inputs.input_ids, ctx)
         hidden = self.model(inputs.input_ids, ctx)
         return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    def copy_state_slots(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole recurrent states between slots (every state tensor of every layer): a request
+        resuming from a prefix snapshot."""
+        pairs = to_device([i for pair in copies for i in pair], torch.int64, self.device).view(-1, 2)
+        for tensor in self.state_tensors:
+            tensor[pairs[:, 1]] = tensor[pairs[:, 0]]
 
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)

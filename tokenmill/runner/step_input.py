@@ -27,6 +27,8 @@ class RequestRows:
     device_drafts: torch.Tensor | None = None  # [n] int64 right after token_ids
     placeholder_row: int | None = None  # its last row's id is this row of the previous step's samples
     num_sampled_rows: int = 0  # 0, or 1 + drafts
+    # Per row, a recurrent-state slot to write the state after it into (-1: none); None: no row has one.
+    checkpoint_slots: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         drafts = 0 if self.device_drafts is None else self.device_drafts.numel()
@@ -34,6 +36,8 @@ class RequestRows:
         if len(self.token_ids) + drafts + placeholder != self.num_rows:
             raise ValueError(f"{len(self.token_ids)} host ids + {drafts} device drafts + {int(placeholder)} "
                              f"placeholder != {self.num_rows} rows")
+        if self.checkpoint_slots is not None and len(self.checkpoint_slots) != self.num_rows:
+            raise ValueError(f"{len(self.checkpoint_slots)} checkpoint slots for {self.num_rows} rows")
 
 
 @dataclass
@@ -42,6 +46,7 @@ class StepInput:
     sampling: list[SamplingRow] = field(default_factory=list)  # one per request with sampled rows, in order
     allowed_masks: list[torch.Tensor | None] = field(default_factory=list)  # [V] bool per sampling row (grammars)
     drafts: list[DraftsToVerify] | None = None  # with speculative decoding: per sampling request
+    state_copies: list[tuple[int, int]] = field(default_factory=list)  # (from, to) state slots, before the forward
 
     @property
     def num_rows(self) -> int:

@@ -140,6 +140,17 @@ class _EngineStatsCollector:
         yield counter("tokenmill:prefix_cache_hits", "Prompt tokens found in the prefix cache", hits)
         hit_rate = hits / queries if queries else 0.0
         yield gauge("tokenmill:prefix_cache_hit_rate", "Prefix-cache hit rate (tokens, cumulative)", hit_rate)
+        yield counter("tokenmill:prefix_cache_paged_hits", "Prompt tokens the paged KV alone matched (hybrid models "
+                      "resume from the deepest recurrent-state snapshot at or below)", get("prefix_cache_paged_hits"))
+        yield counter("tokenmill:state_snapshot_lookups", "Hybrid prefix caching: prefix lookups with a paged hit",
+                      get("state_snapshot_lookups"))
+        yield counter("tokenmill:state_snapshot_hits", "Hybrid prefix caching: lookups resumed from a state snapshot",
+                      get("state_snapshot_hits"))
+        yield gauge("tokenmill:state_snapshots_cached", "Recurrent-state snapshots in the pool", get("state_snapshots_cached"))
+        yield gauge("tokenmill:state_snapshot_bytes_used", "Bytes of the snapshot pool holding snapshots",
+                    get("state_snapshot_bytes_used"))
+        yield gauge("tokenmill:state_snapshot_bytes_total", "Bytes of the recurrent-state snapshot pool",
+                    get("state_snapshot_bytes_total"))
         yield counter("tokenmill:num_preemptions", "Requests preempted (cumulative)", get("num_preemptions"))
         yield counter("tokenmill:prompt_tokens", "Prompt tokens processed", get("num_prompt_tokens"))
         yield counter("tokenmill:generation_tokens", "Tokens generated", get("num_generation_tokens"))

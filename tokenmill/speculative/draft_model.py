@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from tokenmill.config import EngineConfig
 from tokenmill.errors import ConfigError
 from tokenmill.kv.coordinator import KVCacheCoordinator
-from tokenmill.kv.specs import CacheLayer
+from tokenmill.kv.specs import CacheLayer, RecurrentStateSpec
 from tokenmill.layers.attention import ATTENTION_BACKENDS, AttentionMetadata
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.step_context import StepContext
@@ -60,6 +60,9 @@ class DraftModel:
         self.model = build_model(self.build, source, dtype=self.dtype, device=self.device,
                                  dummy_seed=config.model.seed + 1 if dummy else None,
                                  before_processing=self._restrict_head if self.vocab_ids is not None else None)
+        if any(isinstance(spec, RecurrentStateSpec) for spec in self.model.cache_specs().values()):
+            raise ConfigError("the draft model has recurrent (linear-attention) layers; a draft shares the target's "
+                              "block tables but has no state slots of its own: use an attention-only draft")
 
     def _restrict_head(self, model: CausalLM) -> None:
         """Keep only the head rows of the draft vocabulary: row j of the head drafts token ids[j]."""

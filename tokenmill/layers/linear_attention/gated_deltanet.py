@@ -15,6 +15,8 @@ ungrouped in the forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -96,23 +98,32 @@ class GatedDeltaNet(nn.Module):
                 a.reshape(tokens, -1))
 
     def forward(self, x: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:
-        if self.use_triton:
-            from tokenmill.kernels.causal_conv1d import causal_conv1d
-            from tokenmill.kernels.gated_delta import gated_delta_rule
-        else:
-            from tokenmill.kernels.causal_conv1d import causal_conv1d_ref as causal_conv1d
-            from tokenmill.kernels.gated_delta import gated_delta_rule_ref as gated_delta_rule
+        conv, delta_rule = _kernels(self.use_triton, x.shape[0], batch.slots.shape[0])
         tokens = x.shape[0]
         mixed, z, b, a = self._split(x)
-        mixed = causal_conv1d(mixed, self.conv1d.weight.squeeze(1), None, self.conv_state, batch.slots,
-                              batch.cu_seqlens, batch.has_initial_state, activation="silu",
-                              checkpoint_slots=batch.checkpoint_slots)
+        mixed = conv(mixed, self.conv1d.weight.squeeze(1), None, self.conv_state, batch.slots, batch.cu_seqlens,
+                     batch.has_initial_state, activation="silu", checkpoint_slots=batch.checkpoint_slots)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        out = gated_delta_rule(q.reshape(tokens, self.num_k_heads, self.head_k_dim),
-                               k.reshape(tokens, self.num_k_heads, self.head_k_dim),
-                               v.reshape(tokens, self.num_v_heads, self.head_v_dim), g, beta, self.delta_state,
-                               batch.slots, batch.cu_seqlens, batch.has_initial_state, scale=self.head_k_dim**-0.5,
-                               use_qk_l2norm=True, checkpoint_slots=batch.checkpoint_slots)
+        out = delta_rule(q.reshape(tokens, self.num_k_heads, self.head_k_dim),
+                         k.reshape(tokens, self.num_k_heads, self.head_k_dim),
+                         v.reshape(tokens, self.num_v_heads, self.head_v_dim), g, beta, self.delta_state,
+                         batch.slots, batch.cu_seqlens, batch.has_initial_state, scale=self.head_k_dim**-0.5,
+                         use_qk_l2norm=True, checkpoint_slots=batch.checkpoint_slots)
         return self.out_proj(self.norm(out, z).reshape(tokens, self.value_dim))
+
+
+def _kernels(use_triton: bool, num_tokens: int, num_requests: int) -> tuple[Callable[..., torch.Tensor], ...]:
+    """(causal conv1d, gated delta rule): the Triton entry points, or the PyTorch references (the
+    recurrent form for decode-sized batches, the chunked form for prefill)."""
+    if use_triton:
+        from tokenmill.kernels.causal_conv1d import causal_conv1d
+        from tokenmill.kernels.gated_delta import gated_delta_rule
+
+        return causal_conv1d, gated_delta_rule
+    from tokenmill.kernels.causal_conv1d import causal_conv1d_ref
+    from tokenmill.kernels.gated_delta import gated_delta_rule_chunked_ref, gated_delta_rule_ref, uses_recurrent_path
+
+    return causal_conv1d_ref, (gated_delta_rule_ref if uses_recurrent_path(num_tokens, num_requests)
+                               else gated_delta_rule_chunked_ref)

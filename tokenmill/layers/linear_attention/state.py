@@ -26,7 +26,8 @@ def conv_delta_spec(convs: Mapping[str, tuple[int, int]], conv_dtype: torch.dtyp
     """Conv windows `name -> (kernel width, channels)`, each [width - 1, channels] (time-major: the
     last inputs), and the delta-rule state [num_heads, key_dim, value_dim]."""
     windows = tuple(StateTensor(name, (width - 1, channels), conv_dtype) for name, (width, channels) in convs.items())
-    return RecurrentStateSpec((*windows, StateTensor(DELTA_STATE, (num_heads, key_dim, value_dim), state_dtype)))
+    return RecurrentStateSpec((*windows, StateTensor(DELTA_STATE, (num_heads, key_dim, value_dim), state_dtype)),
+                              writes_checkpoints=True)
 
 
 @dataclass
