@@ -10,13 +10,15 @@ recurrent parameters get slow decays, so state carried across chunks and steps m
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen3NextConfig
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+
+from tokenmill.speculative.drafts import DraftingRequest, Drafts
 
 VOCAB = 192
 COMMON = dict(vocab_size=VOCAB, hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -87,3 +89,30 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> list[int
         for _ in range(steps):
             tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
     return tokens[len(prompt):]
+
+
+class SpoilingProposer:
+    """Proposes the reference answer with draft `c` replaced by a wrong token, c = 0, 1, .., limit
+    in turn per request (c = limit: every draft right), so verification accepts exactly c drafts."""
+
+    def __init__(self, answers: dict[tuple[int, ...], list[int]], vocab: int) -> None:
+        self.answers, self.vocab = answers, vocab
+        self.turn: dict[str, int] = {}
+
+    def propose(self, requests: Sequence[DraftingRequest], limits: Sequence[int]) -> None:
+        for request, limit in zip(requests, limits):
+            answer = self.answers[tuple(request.prompt_token_ids)]
+            done = len(request.output_token_ids)
+            ids = list(answer[done : done + limit])
+            turn = self.turn.get(request.request_id, 0)
+            spoiled = turn % (len(ids) + 1)
+            self.turn[request.request_id] = turn + 1
+            if spoiled < len(ids):
+                ids[spoiled] = (ids[spoiled] + 1) % self.vocab
+            request.drafts = Drafts(len(ids), host_ids=ids)
+
+    def follow(self, scheduled, sampled, step) -> None:
+        pass
+
+    def forget(self, request_id: str) -> None:
+        self.turn.pop(request_id, None)

@@ -2,7 +2,9 @@
 chunk through the paged K/V and index caches and the state slots, every decode step's logits and
 greedy token (prompts of 5 to 300 tokens, QSA budgets of 8 and 16 tokens); a batch under chunked
 prefill and forced preemption gives transformers' greedy tokens and returns every slot and block;
-a Qwen4ExpForConditionalGeneration checkpoint serves its text model."""
+prefix hits resume from state snapshots (the PLE and index-key windows with the GDN state) and
+speculative decoding rolls them back, both with plain decoding's answers; a
+Qwen4ExpForConditionalGeneration checkpoint serves its text model."""
 
 from __future__ import annotations
 
@@ -11,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hybrid_models import SavedModels, hf_greedy
+from hybrid_models import SavedModels, SpoilingProposer, hf_greedy
 from parity import check_parity
-from qwen4exp_models import QWEN4EXP_CONFIGS, random_prompts, save_qwen4exp
+from qwen4exp_models import QWEN4EXP_CONFIGS, VOCAB, random_prompts, save_qwen4exp
 from safetensors.torch import save_file
 
 from tokenmill import LLM, SamplingParams
@@ -109,3 +111,36 @@ def test_wrong_hash_constants_are_refused(saved, tmp_path: Path) -> None:
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
     with pytest.raises(Exception, match="PLE hash constants"):
         qwen4exp_llm(tmp_path)
+
+
+def test_prefix_hits_resume_state_snapshots(saved) -> None:
+    """Follow-ups sharing 37 / 70 / 100 tokens of a 100-token prompt resume from the snapshots at
+    32 / 64 / 96 tokens (every 32, and the prompt's last full block) and answer as without a
+    prefix cache."""
+    path, _ = saved["qwen4exp"]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    base, fresh = random_prompts((100, 20), seed=21)
+    follow_ups = [(base[:37] + fresh[:9], 32), (base[:70] + fresh[:1], 64), (base + fresh[:4], 96)]
+    settings = dict(mamba_state_interval=32, max_num_batched_tokens=32)
+    uncached = qwen4exp_llm(path, enable_prefix_caching=False, **settings)
+    cached = qwen4exp_llm(path, **settings)
+    cached.generate([base], params)
+    for prompt, expected in follow_ups:
+        out = cached.generate([prompt], params)[0]
+        assert out.num_cached_tokens == expected
+        assert out.outputs[0].token_ids == uncached.generate([prompt], params)[0].outputs[0].token_ids
+
+
+def test_speculative_rollback_keeps_greedy_output(saved) -> None:
+    """Drafts with one wrong token at every place in turn (tau = 0 .. gamma accepted), batched and
+    chunked: the windows and GDN state roll back to the accepted row; plain decoding's answers."""
+    path, _ = saved["qwen4exp"]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = random_prompts((5, 70, 23), seed=7)
+    reference = [o.outputs[0].token_ids for o in qwen4exp_llm(path).generate(prompts, params)]
+    llm = qwen4exp_llm(path, max_num_batched_tokens=16, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    llm.engine.proposer = SpoilingProposer({tuple(p): a for p, a in zip(prompts, reference)}, VOCAB)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == reference
+    stats = llm.engine.stats()
+    assert all(n > 0 for n in stats.spec_num_accepted_tokens_per_pos)
+    assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens

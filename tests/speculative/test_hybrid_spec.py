@@ -8,19 +8,17 @@ writes the same checkpoints as the eager step."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
-from hybrid_models import VOCAB, random_prompts, save_hybrid
+from hybrid_models import VOCAB, SpoilingProposer, random_prompts, save_hybrid
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import ConfigError
 from tokenmill.layers.step_context import StepContext
 from tokenmill.runner.batch import Chunk, pack
-from tokenmill.speculative.drafts import DraftingRequest, Drafts
 
 GAMMA = 3
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -49,33 +47,6 @@ def reference(target: Path, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in hybrid_llm(target).generate(prompts, PARAMS)]
 
 
-class SpoilingProposer:
-    """Proposes the reference answer with draft `c` replaced by a wrong token, c = 0, 1, .., limit
-    in turn per request (c = limit: every draft right), so verification accepts exactly c drafts."""
-
-    def __init__(self, answers: dict[tuple[int, ...], list[int]]) -> None:
-        self.answers = answers
-        self.turn: dict[str, int] = {}
-
-    def propose(self, requests: Sequence[DraftingRequest], limits: Sequence[int]) -> None:
-        for request, limit in zip(requests, limits):
-            answer = self.answers[tuple(request.prompt_token_ids)]
-            done = len(request.output_token_ids)
-            ids = list(answer[done : done + limit])
-            turn = self.turn.get(request.request_id, 0)
-            spoiled = turn % (len(ids) + 1)
-            self.turn[request.request_id] = turn + 1
-            if spoiled < len(ids):
-                ids[spoiled] = (ids[spoiled] + 1) % VOCAB
-            request.drafts = Drafts(len(ids), host_ids=ids)
-
-    def follow(self, scheduled, sampled, step) -> None:
-        pass
-
-    def forget(self, request_id: str) -> None:
-        self.turn.pop(request_id, None)
-
-
 def test_every_acceptance_length_restores_the_state_exactly(target: Path, prompts: list[list[int]],
                                                             reference: list[list[int]]) -> None:
     """Batched, chunked and preempted (three sequences, a small cache): the answer of plain
@@ -85,7 +56,7 @@ def test_every_acceptance_length_restores_the_state_exactly(target: Path, prompt
                      speculative_config={"method": "ngram", "num_speculative_tokens": GAMMA})
     engine = llm.engine
     assert engine.kv.state.num_spares == GAMMA
-    engine.proposer = SpoilingProposer({tuple(p): a for p, a in zip(prompts, reference)})
+    engine.proposer = SpoilingProposer({tuple(p): a for p, a in zip(prompts, reference)}, VOCAB)
     outs = llm.generate(prompts, PARAMS)
     assert [o.outputs[0].token_ids for o in outs] == reference
     stats = engine.stats()

@@ -160,7 +160,7 @@ class PLELayer(nn.Module):
         return RecurrentStateSpec((
             StateTensor("ngram_context", (self.context_len,), torch.long),
             StateTensor("conv_window", (self.window, wide), self.conv1d.weight.dtype),
-        ))
+        ), writes_checkpoints=True)
 
     def bind_cache(self, cache: dict[str, torch.Tensor]) -> None:
         self.ngram_context, self.conv_window = cache["ngram_context"], cache["conv_window"]

@@ -38,7 +38,7 @@ class IndexKeyWindow(nn.Module):
 
     def __init__(self, length: int, head_dim: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.spec = RecurrentStateSpec((StateTensor("index_keys", (length, head_dim), dtype),))
+        self.spec = RecurrentStateSpec((StateTensor("index_keys", (length, head_dim), dtype),), writes_checkpoints=True)
         self.keys = torch.empty(0)  # [slots, ratio - 1, D], bound by the runner
 
     def cache_spec(self) -> RecurrentStateSpec:
