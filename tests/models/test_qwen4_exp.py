@@ -58,7 +58,8 @@ def test_batched_chunked_preempted_greedy_equals_transformers(saved) -> None:
     path, hf_model = saved["qwen4exp"]
     plan = qwen4exp_llm(path).engine.runner.cache_plan
     budget = 4 * plan.bytes_per_state_slot + 27 * plan.bytes_per_block
-    llm = qwen4exp_llm(path, max_num_batched_tokens=16, max_num_seqs=3, kv_cache_bytes=budget, max_model_len=200)
+    llm = qwen4exp_llm(path, max_num_batched_tokens=16, max_num_seqs=3, kv_cache_bytes=budget, max_model_len=200,
+                       mamba_snapshot_bytes=0)
     prompts = random_prompts((5, 17, 40, 130, 29, 61), seed=2)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
