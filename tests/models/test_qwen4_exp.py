@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from hybrid_models import SavedModels, SpoilingProposer, hf_greedy
-from parity import check_parity
+from parity import check_parity, prefill_logits, rel_err
 from qwen4exp_models import QWEN4EXP_CONFIGS, VOCAB, random_prompts, save_qwen4exp
 from safetensors.torch import save_file
 
@@ -145,3 +145,16 @@ def test_speculative_rollback_keeps_greedy_output(saved) -> None:
     stats = llm.engine.stats()
     assert all(n > 0 for n in stats.spec_num_accepted_tokens_per_pos)
     assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+
+
+def test_fp8_kv_cache_is_calibrated_and_close(saved) -> None:
+    """--kv-cache-dtype fp8: the calibration forward runs through the recurrent layers (a state
+    slot of its own), every QSA layer gets scales, the index keys stay in the model dtype, and the
+    logits stay near the float32 cache's."""
+    path, _ = saved["qwen4exp"]
+    prompt = random_prompts((60,), seed=5)[0]
+    fp8 = qwen4exp_llm(path, kv_cache_dtype="fp8")
+    attention = fp8.engine.runner.model.layers[3].self_attn
+    assert attention.kv_cache.dtype == torch.float8_e4m3fn and attention.indexer.index_cache.dtype == torch.float32
+    assert all(0 < s < 1 for s in attention.kv_scales)
+    assert rel_err(prefill_logits(fp8, prompt), prefill_logits(qwen4exp_llm(path), prompt)) < 0.05

@@ -26,9 +26,13 @@ def configure_kv_scales(runner: ModelRunner, source: CheckpointSource) -> None:
     model = runner.model
     budget = min(CALIBRATION_TOKENS, runner.config.model.max_model_len, runner.config.scheduler.max_num_batched_tokens)
 
+    plan = runner.cache_plan
+    state_slot = plan.scratch_slot if plan.bytes_per_state_slot else None  # a hybrid's recurrent layers write there
+
     def measure() -> tuple[list[tuple[float, ...]], int, str]:
         token_ids, what = calibration_token_ids(source, runner.vocab_size, budget)
-        return measure_kv_amax(model, token_ids, runner.block_size, runner.dtype, runner.device), len(token_ids), what
+        amax = measure_kv_amax(model, token_ids, runner.block_size, runner.dtype, runner.device, state_slot)
+        return amax, len(token_ids), what
 
     set_kv_scales(model.scaled_cache_layers(), runner.kv_dtype, runner.config.cache.calculate_kv_scales, measure)
 
@@ -47,10 +51,12 @@ def calibration_token_ids(source: CheckpointSource, vocab_size: int, max_tokens:
 
 @torch.inference_mode()
 def measure_kv_amax(
-    model: CausalLM, token_ids: list[int], block_size: int, dtype: torch.dtype, device: torch.device
+    model: CausalLM, token_ids: list[int], block_size: int, dtype: torch.dtype, device: torch.device,
+    state_slot: int | None = None,
 ) -> list[tuple[float, ...]]:
     """The amax of each scaled cache part (k and v; an MLA latent row) per FP8-capable cache layer
-    over one sequence of token_ids, each layer writing a scratch cache in the model dtype."""
+    over one sequence of token_ids, each layer writing a scratch cache in the model dtype; other
+    cache layers write their own caches (`state_slot`: the state slot of a model with state)."""
     layers = model.scaled_cache_layers()
     if not token_ids:
         raise ConfigError("the KV-scale calibration text has no tokens")
@@ -59,4 +65,5 @@ def measure_kv_amax(
     scratch = [torch.zeros(spec.shape(blocks), dtype=dtype, device=device) for spec in specs]
     parts = [spec.scaled_parts(cache) for spec, cache in zip(specs, scratch)]
     ids, positions, metadata = pack([Chunk(token_ids, 0, range(blocks))], block_size, device)
-    return recorded_cache_amax(layers, scratch, parts, lambda: model(ids, StepContext(positions, metadata)), dtype)
+    slots = None if state_slot is None else torch.tensor([state_slot], device=device)
+    return recorded_cache_amax(layers, scratch, parts, lambda: model(ids, StepContext(positions, metadata, slots)), dtype)
