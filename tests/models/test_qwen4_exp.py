@@ -8,6 +8,7 @@ Qwen4ExpForConditionalGeneration checkpoint serves its text model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -20,7 +21,9 @@ from safetensors.torch import save_file
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.kv.specs import FullAttentionSpec, IndexerKeySpec, RecurrentStateSpec
+from tokenmill.layers.step_context import StepContext
 from tokenmill.models.qwen4_exp import IndexedAttention
+from tokenmill.runner.batch import Chunk, pack
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +161,36 @@ def test_fp8_kv_cache_is_calibrated_and_close(saved) -> None:
     assert attention.kv_cache.dtype == torch.float8_e4m3fn and attention.indexer.index_cache.dtype == torch.float32
     assert all(0 < s < 1 for s in attention.kv_scales)
     assert rel_err(prefill_logits(fp8, prompt), prefill_logits(qwen4exp_llm(path), prompt)) < 0.05
+
+
+def test_decode_step_staged_in_graph_buffers_matches_eager(saved) -> None:
+    """A decode step of three requests staged into the static buffers a CUDA graph replays (built on
+    the CPU, never captured; padded to a bucket of four): the padding request runs on the scratch
+    slot and block, and the real rows' logits and every state slot equal the eager step's."""
+    path, _ = saved["qwen4exp"]
+    runner = qwen4exp_llm(path).engine.runner
+    model, plan = runner.model, runner.cache_plan
+    graphs = runner.step_graphs(model, 4)
+    states = runner.state_tensors
+    with torch.inference_mode():
+        tables = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+        prefixes = random_prompts((9, 17, 26), seed=11)
+        slots = torch.tensor([0, 2, 1])
+        ids, positions, metadata = pack([Chunk(p, 0, t) for p, t in zip(prefixes, tables)], runner.block_size, runner.device)
+        model(ids, StepContext(positions, metadata, slots))
+        before = [t.clone() for t in states]
+        ids, positions, metadata = pack([Chunk([5], len(p), t) for p, t in zip(prefixes, tables)], runner.block_size,
+                                        runner.device)
+        ctx = StepContext(positions, metadata, slots)
+        eager = model.compute_logits(model(ids, ctx))
+        after = [t.clone() for t in states]
+        for t, saved_state in zip(states, before):
+            t.copy_(saved_state)
+        bucket, context = graphs.stage(ids, ctx)
+        static = graphs.static_context(bucket, context)
+        assert bucket == 4 and static.state_slots.tolist() == [0, 2, 1, plan.scratch_slot]
+        static.attention = dataclasses.replace(static.attention, seq_lens_host=[len(p) + 1 for p in prefixes] + [1])
+        staged = model.compute_logits(model(graphs.input_ids[:bucket], static))
+    torch.testing.assert_close(staged[:3], eager, rtol=1e-5, atol=1e-5)
+    for t, expected in zip(states, after):
+        torch.testing.assert_close(t[: plan.scratch_slot], expected[: plan.scratch_slot], rtol=1e-5, atol=1e-5)
