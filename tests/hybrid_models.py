@@ -17,6 +17,8 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen3NextConfig
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
+from tokenmill import LLM
+
 VOCAB = 192
 COMMON = dict(vocab_size=VOCAB, hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               max_position_embeddings=512, rms_norm_eps=1e-6, linear_conv_kernel_dim=4, linear_key_head_dim=8,
@@ -69,3 +71,11 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> list[int
         for _ in range(steps):
             tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
     return tokens[len(prompt):]
+
+
+def hybrid_llm(path: Path, **overrides: object) -> LLM:
+    """tokenmill on a saved hybrid: float32 on the CPU, blocks of 8 tokens, steps of 48 tokens (long
+    prompts prefill in chunks), 4 MiB of cache, four sequences; `overrides` name config fields."""
+    settings = dict(device="cpu", dtype="float32", block_size=8, max_num_batched_tokens=48, kv_cache_bytes=1 << 22,
+                    max_num_seqs=4)
+    return LLM(str(path), **{**settings, **overrides})
