@@ -36,6 +36,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from figures import FigureTable  # noqa: E402
+
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.kv.planner import bytes_per_block  # noqa: E402
 from tokenmill.layers.moe import SparseMoeBlock  # noqa: E402
@@ -121,16 +123,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (the check only)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
     args = parser.parse_args()
-    began = time.perf_counter()
     device = "cpu" if args.smoke else "cuda"
-    rows: list[tuple[str, str, str]] = []
-    figures: dict[str, float] = {}
-
-    def report(name: str, value: float, unit: str, ceiling: float | None = None, what: str = "") -> None:
-        figures[name] = value
-        ratio = f"{value / ceiling:.1%} of {what}" if ceiling else what
-        rows.append((name, f"{value:,.2f} {unit}", ratio))
-        print(f"{name:<58} {value:>12,.2f} {unit:<8} {ratio}", flush=True)
+    table = FigureTable()
+    report = table.report
 
     config = TINY if args.smoke else V2_LITE_DENSE if args.dense else V2_LITE
     if args.dense:
@@ -145,7 +140,7 @@ def main() -> None:
                       kv_cache_bytes=(4 << 30) if not args.smoke else (1 << 24))
         check(tmp, common, device)
         if args.smoke:
-            print(f"smoke run done in {time.perf_counter() - began:.0f} s")
+            print(f"smoke run done in {time.perf_counter() - table.began:.0f} s")
             return
         from gpu_bench import copy_bandwidth, decode_rate
         from spec_bench import graph_step_ms
@@ -177,11 +172,7 @@ def main() -> None:
             report(f"verify (1+{GAMMA}) / 1-token step, bs=1 @ {context}, FP8 latent", many / one, "x",
                    what=f"{many:.3f} / {one:.3f} ms (target <= 1.15x)")
         del spec, decode, verify
-    print(f"\n{time.perf_counter() - began:.0f} s\n\n| figure | value | ratio |\n|---|---|---|")
-    for name, value, ratio in rows:
-        print(f"| {name.strip()} | {value} | {ratio} |")
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=2))
+    table.finish(args.json)
 
 
 if __name__ == "__main__":

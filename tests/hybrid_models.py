@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen3NextConfig
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
+from tokenmill import LLM
 from tokenmill.speculative.drafts import DraftingRequest, Drafts
 
 VOCAB = 192
@@ -116,3 +117,9 @@ class SpoilingProposer:
 
     def forget(self, request_id: str) -> None:
         self.turn.pop(request_id, None)
+def hybrid_llm(path: Path, **overrides: object) -> LLM:
+    """tokenmill on a saved hybrid: float32 on the CPU, blocks of 8 tokens, steps of 48 tokens (long
+    prompts prefill in chunks), 4 MiB of cache, four sequences; `overrides` name config fields."""
+    settings = dict(device="cpu", dtype="float32", block_size=8, max_num_batched_tokens=48, kv_cache_bytes=1 << 22,
+                    max_num_seqs=4)
+    return LLM(str(path), **{**settings, **overrides})

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hybrid_models import random_prompts, save_hybrid
+from hybrid_models import hybrid_llm, random_prompts, save_hybrid
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.server.metrics import ServerMetrics
@@ -30,10 +30,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def hybrid_llm(path: Path, **overrides: object) -> LLM:
-    settings = dict(device="cpu", dtype="float32", block_size=8, mamba_state_interval=32, max_num_batched_tokens=32,
-                    kv_cache_bytes=1 << 22, max_num_seqs=4)
-    return LLM(str(path), **{**settings, **overrides})
+def prefix_llm(path: Path, **overrides: object) -> LLM:
+    """Snapshots every 32 tokens, steps of 32 tokens."""
+    return hybrid_llm(path, **{**dict(mamba_state_interval=32, max_num_batched_tokens=32), **overrides})
 
 
 def follow_up(shared: int, new: int) -> list[int]:
@@ -47,13 +46,13 @@ def answers(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def uncached(model_dir: Path) -> dict[tuple[int, ...], list[int]]:
     prompts = [BASE, FRESH] + [follow_up(*key) for key in FOLLOW_UPS]
-    llm = hybrid_llm(model_dir, enable_prefix_caching=False)
+    llm = prefix_llm(model_dir, enable_prefix_caching=False)
     assert llm.engine.kv.snapshots is None
     return {tuple(p): a for p, a in zip(prompts, answers(llm, prompts))}
 
 
 def test_unaligned_prefix_hits_resume_the_deepest_snapshot(model_dir: Path, uncached) -> None:
-    llm = hybrid_llm(model_dir)
+    llm = prefix_llm(model_dir)
     assert answers(llm, [BASE]) == [uncached[tuple(BASE)]]
     for (shared, new), expected_cached in FOLLOW_UPS.items():
         prompt = follow_up(shared, new)
@@ -74,10 +73,12 @@ def test_unaligned_prefix_hits_resume_the_deepest_snapshot(model_dir: Path, unca
 
 def test_batched_follow_ups_and_a_tiny_snapshot_pool_stay_exact(model_dir: Path, uncached) -> None:
     """Two snapshot slots for everything: snapshots evicted least recently used while requests run
-    in one batch (chunked, resumed from whatever survived); the answers are the uncached ones."""
-    probe = hybrid_llm(model_dir)
+    in one batch (chunked, resumed from whatever survived, async scheduling: decode boundaries are
+    placeholders when their snapshot is taken); the answers are the uncached ones."""
+    probe = prefix_llm(model_dir)
     per_slot = probe.engine.kv.bytes_per_state_slot
-    llm = hybrid_llm(model_dir, mamba_snapshot_bytes=2 * per_slot)
+    llm = prefix_llm(model_dir, mamba_snapshot_bytes=2 * per_slot, async_scheduling=True)
+    assert llm.engine.async_scheduling
     kv = llm.engine.kv
     assert kv.snapshots.num_slots == 2
     prompts = [BASE, FRESH] + [follow_up(*key) for key in FOLLOW_UPS]
@@ -92,7 +93,7 @@ def test_batched_follow_ups_and_a_tiny_snapshot_pool_stay_exact(model_dir: Path,
 
 
 def test_snapshot_pool_bytes_come_out_of_the_cache_budget(model_dir: Path) -> None:
-    plans = {name: hybrid_llm(model_dir, **kw).engine.runner.cache_plan for name, kw in {
+    plans = {name: prefix_llm(model_dir, **kw).engine.runner.cache_plan for name, kw in {
         "default": {}, "none": {"mamba_snapshot_bytes": 0}, "no-prefix-cache": {"enable_prefix_caching": False},
         "bf16": {"mamba_ssm_cache_dtype": "bfloat16"}}.items()}
     default, none = plans["default"], plans["none"]

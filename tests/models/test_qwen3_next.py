@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from hybrid_models import HYBRID_CONFIGS, SavedModels, hf_greedy, random_prompts, save_hybrid
+from hybrid_models import HYBRID_CONFIGS, SavedModels, hf_greedy, hybrid_llm, random_prompts, save_hybrid
 from parity import check_parity
 from safetensors.torch import load_file, save_file
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import SamplingParams
 from tokenmill.kv.specs import FullAttentionSpec, RecurrentStateSpec
 from tokenmill.layers.linear_attention import GatedDeltaNet
 from tokenmill.layers.moe import SparseMoeBlock
@@ -26,12 +26,6 @@ from tokenmill.layers.moe import SparseMoeBlock
 def saved(tmp_path_factory: pytest.TempPathFactory) -> SavedModels:
     """One saved checkpoint per config, shared by the tests of this file."""
     return SavedModels(tmp_path_factory, save_hybrid)
-
-
-def hybrid_llm(path: Path, **overrides: object) -> LLM:
-    settings = dict(device="cpu", dtype="float32", block_size=8, max_num_batched_tokens=64, kv_cache_bytes=1 << 22,
-                    max_num_seqs=4)
-    return LLM(str(path), **{**settings, **overrides})
 
 
 @pytest.mark.parametrize("name", list(HYBRID_CONFIGS))

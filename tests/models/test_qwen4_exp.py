@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hybrid_models import SavedModels, SpoilingProposer, hf_greedy
+from hybrid_models import SavedModels, SpoilingProposer, hf_greedy, hybrid_llm
 from parity import check_parity, prefill_logits, rel_err
 from qwen4exp_models import QWEN4EXP_CONFIGS, VOCAB, random_prompts, save_qwen4exp
 from safetensors.torch import save_file
@@ -33,9 +33,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> SavedModels:
 
 
 def qwen4exp_llm(path: Path, **overrides: object) -> LLM:
-    settings = dict(device="cpu", dtype="float32", block_size=8, max_num_batched_tokens=64, kv_cache_bytes=1 << 22,
-                    max_num_seqs=4, max_model_len=512)
-    return LLM(str(path), **{**settings, **overrides})
+    return hybrid_llm(path, **{"max_num_batched_tokens": 64, "max_model_len": 512, **overrides})
 
 
 @pytest.mark.parametrize("name", list(QWEN4EXP_CONFIGS))

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hybrid_models import VOCAB, SpoilingProposer, random_prompts, save_hybrid
+from hybrid_models import VOCAB, SpoilingProposer, hybrid_llm, random_prompts, save_hybrid
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import SamplingParams
 from tokenmill.errors import ConfigError
 from tokenmill.layers.step_context import StepContext
 from tokenmill.runner.batch import Chunk, pack
@@ -29,12 +29,6 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("qwen3_next")
     save_hybrid("qwen3_next", path)
     return path
-
-
-def hybrid_llm(path: Path, **overrides: object) -> LLM:
-    settings = dict(device="cpu", dtype="float32", block_size=8, max_num_batched_tokens=48, kv_cache_bytes=1 << 22,
-                    max_num_seqs=4)
-    return LLM(str(path), **{**settings, **overrides})
 
 
 @pytest.fixture(scope="module")
