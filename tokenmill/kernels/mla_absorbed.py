@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels._common import mm
-from tokenmill.kernels.paged_attention import _find_request
+from tokenmill.kernels.paged_attention import _find_request, _online_softmax_step
 
 
 @triton.jit
@@ -58,20 +58,11 @@ def _latent_tiles(
         lat = lat.to(q_lat.dtype)
         s = mm(q_lat, tl.trans(lat), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST, IEEE)
         s = mm(q_pe, tl.trans(pe.to(q_pe.dtype)), s, UPCAST, IEEE)
-        s = s * qk_scale
         if CAUSAL_MASK:
-            s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # A row that has seen no visible key yet keeps m = -inf; shift by 0 to avoid inf - inf.
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_shift = m_new
-        p = tl.math.exp2(s - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = mm(p.to(lat.dtype), lat, acc * alpha[:, None], UPCAST, IEEE)
-        m_i = m_new
+            visible = 0  # unread
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s * qk_scale, lat, visible, CAUSAL_MASK, UPCAST, IEEE)
     return acc, m_i, l_i
 
 

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels._common import interpreting, mm, next_pow2
-from tokenmill.kernels.paged_attention import LOG2E, _find_request
+from tokenmill.kernels.paged_attention import LOG2E, _find_request, _online_softmax_step
 
 
 @triton.jit
@@ -44,19 +44,9 @@ def _context_tiles(
                     mask=n_ok[:, None] & (offs_v[None, :] < VDIM), other=0.0)
         s = mm(q_nope, tl.trans(k_nope.to(q_nope.dtype)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST, IEEE)
         s = mm(q_pe, tl.trans(k_pe.to(q_pe.dtype)), s, UPCAST, IEEE)
-        s = s * qk_scale
-        if CAUSAL_MASK:
-            s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_shift = m_new
-        p = tl.math.exp2(s - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = mm(p.to(q_nope.dtype), v.to(q_nope.dtype), acc * alpha[:, None], UPCAST, IEEE)
-        m_i = m_new
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s * qk_scale, v.to(q_nope.dtype), visible, CAUSAL_MASK,
+                                             UPCAST, IEEE)
     return acc, m_i, l_i
 
 

@@ -43,14 +43,10 @@ def _find_request(qsl_ptr, num_requests, tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax_step(
-    acc, m_i, l_i, q, k, v, visible, qk_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-):
-    """One tile of keys k [BLOCK_N, D] and values v into the running (acc, m_i, l_i) of q's rows.
-    With MASKED, only keys where `visible` [BLOCK_M, BLOCK_N] (or a broadcastable mask) holds count."""
-    s = mm(q, tl.trans(k.to(q.dtype)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST, IEEE)
-    s = s * qk_scale
+def _online_softmax_step(acc, m_i, l_i, s, v, visible, MASKED: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """One tile of keys into the running (acc, m_i, l_i) of the rows: s [BLOCK_M, BLOCK_N] their
+    scores (scaled, log2 domain), v [BLOCK_N, D] their values (the dtype p is multiplied in). With
+    MASKED, only keys where `visible` (broadcastable to s) holds count."""
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -62,7 +58,7 @@ def _online_softmax_step(
     p = tl.math.exp2(s - m_shift[:, None])
     alpha = tl.math.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = mm(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], UPCAST, IEEE)
+    acc = mm(p.to(v.dtype), v, acc * alpha[:, None], UPCAST, IEEE)
     return acc, m_new, l_i
 
 
@@ -94,12 +90,12 @@ def _attend_tiles(
         else:
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        s = mm(q, tl.trans(k.to(q.dtype)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST, IEEE) * qk_scale
         if CAUSAL_MASK:
             visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
         else:
             visible = 0  # unread
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, visible, qk_scale, BLOCK_M, BLOCK_N,
-                                             CAUSAL_MASK, UPCAST, IEEE)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v.to(q.dtype), visible, CAUSAL_MASK, UPCAST, IEEE)
     return acc, m_i, l_i
 
 

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels._common import FP8_DTYPE, dependent_launch, interpreting, launch_next, next_pow2, sm_count
+from tokenmill.kernels._common import FP8_DTYPE, dependent_launch, interpreting, launch_next, mm, next_pow2, sm_count
 from tokenmill.kernels.attention import merge_partials, split_partials
 from tokenmill.kernels.paged_attention import LOG2E, _find_request, _load_rows, _online_softmax_step, _store_rows
 
@@ -97,8 +97,8 @@ def _sparse_attention_kernel(
         k = tl.load(k_base + slot + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + (page * stride_vb + (token % PAGE) * stride_vt)[:, None] + offs_d[None, :],
                     mask=kv_mask, other=0.0)
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, ok[None, :], qk_scale, BLOCK_M, BLOCK_N,
-                                             True, UPCAST, IEEE)
+        s = mm(q, tl.trans(k.to(q.dtype)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST, IEEE) * qk_scale
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v.to(q.dtype), ok[None, :], True, UPCAST, IEEE)
 
     _store_rows(acc, m_i, l_i, v_scale, out_ptr, part_out_ptr, part_lse_ptr, part, token_rows, head, row_ok, offs_d,
                 stride_ot, stride_oh, HEAD_DIM, SPLIT)
