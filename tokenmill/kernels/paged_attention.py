@@ -100,6 +100,15 @@ def _attend_tiles(
 
 
 @triton.jit
+def _split_range(num_tiles, num_splits, split, MIN_SPLIT_TILES: tl.constexpr):
+    """(first, end) tile of a split: at least MIN_SPLIT_TILES per split, so short contexts leave the
+    later splits empty (a graph captured with many splits stays cheap on short requests)."""
+    per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_SPLIT_TILES)
+    first = split * per_split
+    return first, tl.minimum(first + per_split, num_tiles)
+
+
+@triton.jit
 def _load_rows(q_ptr, token, head, row_ok, offs_d, stride_qt, stride_qh, qk_scale,
                HEAD_DIM: tl.constexpr, F16_DOT: tl.constexpr):
     """(q of each row (token, head), the softmax scale to use with it)."""
@@ -176,11 +185,7 @@ def _paged_attention_kernel(
     t_hi = num_tiles
     part = 0  # the partial-output rows of a split launch
     if SPLIT:
-        # At least MIN_SPLIT_TILES per split, so short contexts leave the later splits empty
-        # (a graph captured with many splits stays cheap on short requests).
-        per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_SPLIT_TILES)
-        t_lo = split * per_split
-        t_hi = tl.minimum(t_lo + per_split, num_tiles)
+        t_lo, t_hi = _split_range(num_tiles, num_splits, split, MIN_SPLIT_TILES)
         part = ((q_start + tok) * num_heads + head) * num_splits + split
         if t_lo >= t_hi:
             tl.store(part_lse_ptr + part, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)

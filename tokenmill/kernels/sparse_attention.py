@@ -21,7 +21,14 @@ import triton.language as tl
 
 from tokenmill.kernels._common import FP8_DTYPE, dependent_launch, interpreting, launch_next, mm, next_pow2, sm_count
 from tokenmill.kernels.attention import merge_partials, split_partials
-from tokenmill.kernels.paged_attention import LOG2E, _find_request, _load_rows, _online_softmax_step, _store_rows
+from tokenmill.kernels.paged_attention import (
+    LOG2E,
+    _find_request,
+    _load_rows,
+    _online_softmax_step,
+    _split_range,
+    _store_rows,
+)
 
 MAX_SPLITS = 32
 DECODE_WAVES = 4
@@ -64,9 +71,7 @@ def _sparse_attention_kernel(
     t_hi = num_tiles
     part = 0  # the partial-output rows of a split launch
     if SPLIT:
-        per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_SPLIT_TILES)
-        t_lo = split * per_split
-        t_hi = tl.minimum(t_lo + per_split, num_tiles)
+        t_lo, t_hi = _split_range(num_tiles, num_splits, split, MIN_SPLIT_TILES)
         part = (tok * num_heads + head) * num_splits + split
         if t_lo >= t_hi:
             tl.store(part_lse_ptr + part, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
