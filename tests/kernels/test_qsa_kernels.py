@@ -121,3 +121,30 @@ def test_the_selection_changes_the_output() -> None:
     a = sparse_attention_ref(q, cache, md, first, 4, 0.25)
     b = sparse_attention_ref(q, cache, md, other, 4, 0.25)
     assert not torch.allclose(a, b)
+
+
+@pytest.mark.parametrize("splits, device", [on_cpu(None, id="one-run"), on_cpu(3, id="split")])
+def test_sparse_attention_never_reads_unselected_tokens(splits: int | None, device: str) -> None:
+    """Every token a query does not select is NaN in the cache (a NaN read anywhere would reach the
+    output): the kernel's output is the clean cache's reference, so a step reads the budget only."""
+    ratio, page, topk = 4, 8, 3
+    batch = paged_batch([(1, 61), (1, 30)], page, device)
+    md = batch.metadata
+    torch.manual_seed(3)
+    q = torch.randn(2, 4, 16)
+    cache = torch.randn(2, batch.num_blocks, page, 2, 16)
+    blocks = random_blocks(md, ratio, topk, seed=4)
+    ref = sparse_attention_ref(q, cache, md, blocks, ratio, 0.25)
+    poisoned = torch.full_like(cache, float("nan"))
+    positions = query_positions(md, torch.device("cpu"))
+    for b in range(2):
+        keep = (set(blocks[b][blocks[b] >= 0].tolist()) | {int(positions[b]) // ratio})
+        for token in range(int(md.seq_lens[b])):
+            if token // ratio in keep and token <= positions[b]:
+                slot = md.block_tables[b, token // page], token % page
+                poisoned[:, slot[0], slot[1]] = cache[:, slot[0], slot[1]]
+    plan = plan_sparse(num_tokens=2, num_kv_heads=2, block_topk=topk, ratio=ratio, head_dim=16,
+                       device=torch.device(device), num_splits=splits)
+    got = sparse_paged_attention(q, poisoned[0], poisoned[1], blocks, md.query_start_loc, md.seq_lens, md.block_tables,
+                                 ratio, 0.25, plan)
+    torch.testing.assert_close(got, ref, rtol=2e-4, atol=2e-4)
