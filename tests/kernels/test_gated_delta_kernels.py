@@ -123,10 +123,18 @@ def test_recurrent_with_checkpoint_per_position(per_channel: bool, tokens_per_re
 @pytest.mark.parametrize("device", [on_cpu(id="cpu")])
 def test_public_entry_dispatches_by_shape(device: str) -> None:
     """Decode and verification shapes take the recurrent kernel, prefill the chunked one; both
-    give the reference's answer through the public function."""
+    give the reference's answer through the public function, from q, k, v that are views of one
+    projection (as the layers split it) and int64 slots (as the engine keeps them)."""
     assert uses_recurrent_path(64 * 5, 64) and uses_recurrent_path(1, 1) and not uses_recurrent_path(100, 2)
     for lengths in ([1, 1, 1, 1], [20, 2]):
-        compare(gated_delta_rule, delta_batch(lengths, [True] * len(lengths), **TINY))
+        batch = delta_batch(lengths, [True] * len(lengths), **TINY)
+        width = [x.shape[1] * x.shape[2] for x in (batch.q, batch.k, batch.v)]
+        mixed = torch.cat([x.flatten(1) for x in (batch.q, batch.k, batch.v)], dim=1)
+        batch.q, batch.k, batch.v = (part.unflatten(1, x.shape[1:]) for part, x in
+                                     zip(mixed.split(width, dim=1), (batch.q, batch.k, batch.v)))
+        assert not batch.q.is_contiguous()
+        batch.slots = batch.slots.long()
+        compare(gated_delta_rule, batch)
 
 
 @pytest.mark.parametrize("device", [on_cpu(id="cpu")])

@@ -182,15 +182,15 @@ def chunk_gated_delta_rule(
     *, scale: float, use_qk_l2norm: bool = True, checkpoint_slots: torch.Tensor | None = None,
     chunk_size: int = CHUNK, block_v: int | None = None, num_warps: int | None = None,
 ) -> torch.Tensor:
-    """As gated_delta.gated_delta_rule (arguments checked there); reads cu_seqlens and the
-    checkpoints on the host. block_v / num_warps: the scan's tile (None: chosen here)."""
+    """As gated_delta.gated_delta_rule, whose kernel_inputs prepares the arguments; reads
+    cu_seqlens and the checkpoints on the host. block_v / num_warps: the scan's tile (None:
+    chosen here)."""
     num_tokens, key_heads, key_dim = q.shape
     value_heads, value_dim = v.shape[1:]
     out = torch.empty_like(v)
     if num_tokens == 0:
         return out
-    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
-    g = g.float().contiguous()
+    g = g.contiguous()
     marks = [] if checkpoint_slots is None else torch.nonzero(checkpoint_slots >= 0).flatten().tolist()
     plan = plan_chunks(cu_seqlens.tolist(), marks, chunk_size)
     device = q.device

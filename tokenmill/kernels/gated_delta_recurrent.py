@@ -91,18 +91,14 @@ def recurrent_gated_delta_rule(
     *, scale: float, use_qk_l2norm: bool = True, checkpoint_slots: torch.Tensor | None = None,
     block_v: int | None = None, num_warps: int | None = None,
 ) -> torch.Tensor:
-    """As gated_delta.gated_delta_rule (arguments checked there). Inputs need a unit stride along
-    their last dim; g is read as float32."""
+    """As gated_delta.gated_delta_rule, whose kernel_inputs prepares the arguments (unit-stride
+    rows, k strided as q, float32 g, a contiguous pool)."""
     num_requests = slots.shape[0]
     key_heads, key_dim = q.shape[1:]
     value_heads, value_dim = v.shape[1:]
     out = torch.empty_like(v)
     if num_requests == 0:
         return out
-    if any(x.stride(-1) != 1 for x in (q, k, v, g, beta)) or k.stride() != q.stride() or not state.is_contiguous():
-        raise ValueError("recurrent_gated_delta_rule needs unit-stride rows, k strided as q and a contiguous state")
-    if g.dtype != torch.float32:
-        raise ValueError(f"g must be float32, got {g.dtype}")
     block_v = block_v or recurrent_block_v(num_requests, value_heads, value_dim, q.device)
     has_checkpoints = checkpoint_slots is not None
     on_gpu = q.device.type == "cuda" and not interpreting()
