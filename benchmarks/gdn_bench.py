@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from an 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from attention_bench import print_table, record, rows, timer  # noqa: E402  (the shared timing and table)
+from gpu_bench import median_time  # noqa: E402
 
 from tokenmill.kernels.causal_conv1d import causal_conv1d, causal_conv1d_ref  # noqa: E402
 from tokenmill.kernels.gated_delta import (  # noqa: E402
@@ -67,19 +67,12 @@ GAMMA = 4
 
 def eager_time(s: Setup, fn: Callable[[], object]) -> float:
     """Median seconds of fn run eagerly (host work included), after a warm-up call."""
+    if s.device == "cuda":
+        return median_time(fn, max(3, s.repeats // 4))
     fn()
-    if s.device != "cuda":
-        began = time.perf_counter()
-        fn()
-        return time.perf_counter() - began
-    times = []
-    for _ in range(max(3, s.repeats // 4)):
-        torch.cuda.synchronize()
-        began = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times)
+    began = time.perf_counter()
+    fn()
+    return time.perf_counter() - began
 
 
 class Bench:

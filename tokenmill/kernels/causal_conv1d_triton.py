@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels._common import and_flag, interpreting
-from tokenmill.kernels.paged_attention import _find_request
+from tokenmill.kernels.paged_attention import _request_tile
 
 # On a GPU: (rows, channels, warps) of a prefill program and (channels, warps) of an update
 # program; wider prefill tiles spill on sm_90.
@@ -108,10 +108,7 @@ def _conv_prefill_kernel(
     HAS_CHECKPOINTS: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    req = _find_request(cu_seqlens_ptr, num_requests, tile, BLOCK_T)
-    start = tl.load(cu_seqlens_ptr + req)
-    length = tl.load(cu_seqlens_ptr + req + 1) - start
-    tile_start = (tile - start // BLOCK_T - req) * BLOCK_T
+    req, start, length, tile_start = _request_tile(cu_seqlens_ptr, num_requests, tile, BLOCK_T)
     if tile_start >= length:
         return
     start = start.to(tl.int64)
