@@ -90,6 +90,18 @@ def weight_bytes(llm: LLM) -> int:
     return sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
 
 
+def active_weight_bytes(llm: LLM, embedding: torch.Tensor) -> int:
+    """What one token's decode step reads of the weights: every parameter but the embedding table
+    (one row of it) and the routed experts it does not select (top_k of each MoE layer's)."""
+    from tokenmill.layers.moe import SparseMoeBlock
+
+    unselected = 0
+    for block in (m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoeBlock)):
+        experts = sum(p.numel() * p.element_size() for p in block.experts.parameters())
+        unselected += experts * (block.routing.num_experts - block.routing.top_k) // block.routing.num_experts
+    return weight_bytes(llm) - unselected - embedding.numel() * embedding.element_size() + embedding[0].nbytes
+
+
 def random_prompt(n: int, rng: random.Random) -> list[int]:
     return [rng.randrange(1000, 100000) for _ in range(n)]
 

@@ -47,7 +47,6 @@ from figures import FigureTable  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.kv.planner import bytes_per_block  # noqa: E402
-from tokenmill.layers.moe import SparseMoeBlock  # noqa: E402
 
 QWEN3_NEXT = {
     "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 151936,
@@ -66,17 +65,6 @@ TINY = {**QWEN3_NEXT, "vocab_size": 512, "hidden_size": 64, "intermediate_size":
         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "max_position_embeddings": 4096,
         "bos_token_id": 0, "eos_token_id": 1}
 VLLM_STATE_BLOCK = 1504  # vLLM's hybrid block with BF16 state (MODELS.md): one cached state per block
-
-
-def active_weight_bytes(llm: LLM) -> int:
-    model = llm.engine.runner.model
-    table = model.embed_tokens.weight
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    unselected = 0
-    for block in (m for m in model.modules() if isinstance(m, SparseMoeBlock)):
-        experts = sum(p.numel() * p.element_size() for p in block.experts.parameters())
-        unselected += experts * (block.routing.num_experts - block.routing.top_k) // block.routing.num_experts
-    return total - unselected - table.numel() * table.element_size() + table.shape[1] * table.element_size()
 
 
 def check_tiny(device: str) -> None:
@@ -187,7 +175,7 @@ def main() -> None:
                       max_model_len=2048 if args.smoke else 16384, max_num_seqs=4 if args.smoke else 64,
                       kv_cache_bytes=(1 << 25) if args.smoke else (24 << 30))
         if not args.smoke:
-            from gpu_bench import copy_bandwidth, decode_rate
+            from gpu_bench import active_weight_bytes, copy_bandwidth, decode_rate
 
             bandwidth = copy_bandwidth()
             report("device copy bandwidth (read + write)", bandwidth / 1e9, "GB/s")
@@ -196,7 +184,7 @@ def main() -> None:
                 llm = LLM(tmp, **common, mamba_ssm_cache_dtype=state)
                 per_slot = llm.engine.runner.cache_plan.bytes_per_state_slot
                 if state == "float32":
-                    weights = active_weight_bytes(llm)
+                    weights = active_weight_bytes(llm, llm.engine.runner.model.embed_tokens.weight)
                     kv = 128 * bytes_per_block(llm.engine.runner.model.cache_specs()) / llm.engine.kv.block_size
                     read = weights + 2 * per_slot + kv
                     report(f"roofline bs=1 @ 128, fp32 state ({read / 1e9:.3f} GB per token)", bandwidth / read, "tok/s")

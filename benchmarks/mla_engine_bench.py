@@ -40,7 +40,6 @@ from figures import FigureTable  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.kv.planner import bytes_per_block  # noqa: E402
-from tokenmill.layers.moe import SparseMoeBlock  # noqa: E402
 
 V2_LITE = {
     "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
@@ -64,19 +63,6 @@ TINY = {**V2_LITE, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 12
         "max_position_embeddings": 2560}
 GAMMA = 4
 LONG = 32768
-
-
-def active_weight_bytes(llm: LLM) -> int:
-    """What one token's decode step reads of the weights: every parameter but the embedding table
-    (one row of it) and the routed experts it does not select (top_k of each MoE layer's)."""
-    model = llm.engine.runner.model
-    table = model.model.embed_tokens.weight
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    unselected = 0
-    for block in (m for m in model.modules() if isinstance(m, SparseMoeBlock)):
-        experts = sum(p.numel() * p.element_size() for p in block.experts.parameters())
-        unselected += experts * (block.routing.num_experts - block.routing.top_k) // block.routing.num_experts
-    return total - unselected - table.numel() * table.element_size() + table.shape[1] * table.element_size()
 
 
 def latent_bytes(llm: LLM, context: int) -> float:
@@ -142,7 +128,7 @@ def main() -> None:
         if args.smoke:
             print(f"smoke run done in {time.perf_counter() - table.began:.0f} s")
             return
-        from gpu_bench import copy_bandwidth, decode_rate
+        from gpu_bench import active_weight_bytes, copy_bandwidth, decode_rate
         from spec_bench import graph_step_ms
 
         bandwidth = copy_bandwidth()
@@ -151,7 +137,7 @@ def main() -> None:
         long_prompt = [rng.randrange(1000, 100000) for _ in range(LONG)]
         for label, kv_dtype, context in (("bf16 latent", "auto", 128), ("FP8 latent", "fp8", LONG)):
             llm = LLM(tmp, **common, kv_cache_dtype=kv_dtype)
-            weights = active_weight_bytes(llm)
+            weights = active_weight_bytes(llm, llm.engine.runner.model.model.embed_tokens.weight)
             if kv_dtype == "auto":
                 report("active weight bytes", weights / 1e9, "GB")
             read = weights + latent_bytes(llm, context)

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
+import tempfile
 
 os.environ["TRITON_INTERPRET"] = "0"
 
 import torch
 import triton
+from sm90_gdn_variants import gdn_variants  # beside this script
 from sm90_moe_variants import moe_variants  # beside this script
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -219,14 +222,28 @@ def waits_before_writing(ptx: str) -> bool:
     return not re.search(r"^\s*(?:@!?%p\d+\s+)?(?:st\.global|atom\.|red\.)", before, re.MULTILINE)
 
 
+def stack_bytes(kernel) -> int | None:
+    """Per-thread stack of the compiled kernel (register spills live there), from the cuobjdump
+    in Triton's wheel; None where it cannot be read."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True, text=True).stdout
+    found = re.search(r"STACK:(\d+)", usage)
+    return int(found.group(1)) if found else None
+
+
 def main(quick: bool = False) -> int:
     failures = 0
     variants = list(attention_variants()) + list(other_variants()) + list(moe_variants()) + list(mla_variants())
-    variants += list(qsa_variants())
+    variants += list(gdn_variants()) + list(qsa_variants())
     if quick:  # CI: the Llama-shaped bf16 and fp8 attention, the small and MoE kernels, MLA decode and verification
         variants = [v for v in variants if "H=32/8" in v[0] and v[0].startswith("attention bf16")] + list(other_variants())
         variants += list(moe_variants(quick=True)) + [v for v in mla_variants() if v[0] in QUICK_MLA]
-        variants += list(qsa_variants())
+        variants += list(gdn_variants(quick=True)) + list(qsa_variants())
     for label, fn, types, consts, warps, stages in variants:
         try:
             kernel = compile_variant(fn, types, consts, warps, stages)
@@ -242,7 +259,8 @@ def main(quick: bool = False) -> int:
         failures += not ok
         note = " (a product enters an FMA unrounded)" if fused else ""
         note += " (a dependent launch writes before, or never, waits)" if early else ""
-        print(f"{'ok  ' if ok else 'FAIL'} {label}: warps={warps} stages={stages} shared={shared}{note}")
+        print(f"{'ok  ' if ok else 'FAIL'} {label}: warps={warps} stages={stages} shared={shared} "
+              f"stack={stack_bytes(kernel)}{note}")
     print(f"{len(variants) - failures} compiled, {failures} failed")
     return 1 if failures else 0
 

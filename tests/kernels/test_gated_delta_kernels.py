@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gdn_cases import checkpoint_slots, delta_batch
+from gdn_cases import checkpoint_slots, conv_batch, delta_batch
 from kernel_cases import on_cpu, on_gpu
+from no_host_sync import forbid_host_reads
 
+from tokenmill.kernels import causal_conv1d_triton, gated_delta_recurrent
+from tokenmill.kernels.causal_conv1d import causal_conv1d
 from tokenmill.kernels.gated_delta import gated_delta_rule, uses_recurrent_path
 from tokenmill.kernels.gated_delta_chunk import chunk_gated_delta_rule
 from tokenmill.kernels.gated_delta_recurrent import recurrent_gated_delta_rule
@@ -120,7 +123,39 @@ def test_recurrent_with_checkpoint_per_position(per_channel: bool, tokens_per_re
 @pytest.mark.parametrize("device", [on_cpu(id="cpu")])
 def test_public_entry_dispatches_by_shape(device: str) -> None:
     """Decode and verification shapes take the recurrent kernel, prefill the chunked one; both
-    give the reference's answer through the public function."""
+    give the reference's answer through the public function, from q, k, v that are views of one
+    projection (as the layers split it) and int64 slots (as the engine keeps them)."""
     assert uses_recurrent_path(64 * 5, 64) and uses_recurrent_path(1, 1) and not uses_recurrent_path(100, 2)
     for lengths in ([1, 1, 1, 1], [20, 2]):
-        compare(gated_delta_rule, delta_batch(lengths, [True] * len(lengths), **TINY))
+        batch = delta_batch(lengths, [True] * len(lengths), **TINY)
+        width = [x.shape[1] * x.shape[2] for x in (batch.q, batch.k, batch.v)]
+        mixed = torch.cat([x.flatten(1) for x in (batch.q, batch.k, batch.v)], dim=1)
+        batch.q, batch.k, batch.v = (part.unflatten(1, x.shape[1:]) for part, x in
+                                     zip(mixed.split(width, dim=1), (batch.q, batch.k, batch.v)))
+        assert not batch.q.is_contiguous()
+        batch.slots = batch.slots.long()
+        compare(gated_delta_rule, batch)
+
+
+@pytest.mark.parametrize("device", [on_cpu(id="cpu")])
+def test_decode_and_verify_never_read_the_device(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recurrent path (and the conv update) launch with no host read of any tensor, so a
+    CUDA graph can capture them; checkpoint slots included."""
+    batch = delta_batch([3, 3], [True, False], spare_slots=6, **TINY)
+    conv = conv_batch([3, 3], [True, False], spare_slots=6)
+    marks = checkpoint_slots(6, dict(zip(range(6), spare(batch, 6))))
+    launches = []
+
+    class Recorded:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(self.name)
+
+    monkeypatch.setattr(gated_delta_recurrent, "_recurrent_kernel", Recorded("gdn"))
+    monkeypatch.setattr(causal_conv1d_triton, "_conv_update_kernel", Recorded("conv"))
+    forbid_host_reads(monkeypatch, "decode / verification")
+    gated_delta_rule(*batch.args(), scale=batch.scale, checkpoint_slots=marks)
+    causal_conv1d(*conv.args(), checkpoint_slots=marks)
+    assert launches == ["gdn", "conv"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from hybrid_models import HYBRID_CONFIGS, SavedModels, hf_greedy, hybrid_llm, random_prompts, save_hybrid
-from parity import check_parity
+from parity import check_parity, tolerance
 from safetensors.torch import load_file, save_file
 
 from tokenmill import SamplingParams
@@ -97,3 +97,31 @@ def test_multimodal_checkpoint_serves_its_text_model(saved, tmp_path: Path) -> N
     assert {d.dtype for d in delta} == {torch.bfloat16}
     overridden = hybrid_llm(tmp_path, mamba_ssm_cache_dtype="float32").engine.runner.model.layers[0].linear_attn
     assert overridden.delta_state.dtype == torch.float32
+
+
+@pytest.mark.gpu
+def test_bf16_on_cuda_matches_transformers(saved) -> None:
+    """The dense Qwen3.5 in bf16 through the Triton GDN kernels and CUDA graphs, against
+    transformers' float32 model with twice transformers' own bf16 error as the tolerance (MoE
+    configs stay on the CPU: bf16 routers flip at near-ties)."""
+    path, hf_model = saved["qwen3_5"]
+    llm = hybrid_llm(path, device="cuda", dtype="bfloat16")
+    assert llm.engine.runner.model.layers[0].linear_attn.use_triton
+    for prompt in random_prompts((5, 300)):
+        check_parity(llm, hf_model, prompt, steps=24, tol=tolerance(hf_model, prompt, "bfloat16"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+def test_cuda_graphs_and_speculation_give_the_eager_tokens(name: str, saved) -> None:
+    """Decode replayed from CUDA graphs (state slots, scratch-slot padding, checkpoint buffers) and
+    n-gram speculation through the verify graphs give the eager engine's greedy tokens."""
+    path, _ = saved[name]
+    prompts = random_prompts((5, 17, 40, 300), seed=4) + [random_prompts((12,), seed=5)[0] * 5]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    eager = hybrid_llm(path, device="cuda", dtype="bfloat16", enforce_eager=True)
+    expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    for overrides in ({}, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}):
+        graphs = hybrid_llm(path, device="cuda", dtype="bfloat16", **overrides)
+        assert graphs.engine.runner.graphs
+        assert [o.outputs[0].token_ids for o in graphs.generate(prompts, params)] == expected, overrides

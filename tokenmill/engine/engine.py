@@ -354,17 +354,8 @@ class LLMEngine:
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_num_accepted_tokens_per_pos=list(self.spec_stats.accepted_per_position),
-            **self._snapshot_stats(),
+            **self.kv.snapshot_stats(),
         )
-
-    def _snapshot_stats(self) -> dict[str, int]:
-        snapshots = self.kv.snapshots
-        if snapshots is None:
-            return {}
-        per_slot = self.kv.bytes_per_state_slot
-        return dict(state_snapshot_lookups=snapshots.counters.lookups, state_snapshot_hits=snapshots.counters.hits,
-                    state_snapshots_cached=snapshots.num_cached, state_snapshot_bytes_used=snapshots.num_cached * per_slot,
-                    state_snapshot_bytes_total=snapshots.num_slots * per_slot)
 
 
 

@@ -9,7 +9,8 @@ with SiLU after when activation == "silu". The window before the call is conv_st
 when has_initial_state[r], else zeros (the slot is not read); afterwards the slot holds the last
 K-1 rows of ext (a request with fewer than K-1 inputs so far keeps zeros before its first).
 checkpoint_slots[t] >= 0 also stores the window after row t there. Slots of one call are
-distinct: no request slot is another's, nor a checkpoint's.
+distinct: no request slot is another's, nor a checkpoint's (rows sharing one, such as a CUDA
+graph's padding rows on its scratch slot, leave garbage there and in their own outputs only).
 
 On CUDA (or under TRITON_INTERPRET=1) the Triton kernels run: few rows per request (decode,
 verification) take the update kernel alone, which reads nothing from the device on the host and
@@ -85,12 +86,12 @@ def causal_conv1d(
     weight: torch.Tensor,  # [C, K]
     bias: torch.Tensor | None,  # [C]
     conv_state: torch.Tensor,  # [num_slots, K - 1, C], read and written in place
-    slots: torch.Tensor,  # [R] int32
+    slots: torch.Tensor,  # [R] int32 (int64 also taken)
     cu_seqlens: torch.Tensor,  # [R + 1] int32
     has_initial_state: torch.Tensor,  # [R] bool
     *,
     activation: str | None = "silu",
-    checkpoint_slots: torch.Tensor | None = None,  # [T] int32, -1: none
+    checkpoint_slots: torch.Tensor | None = None,  # [T] int32 (int64 also taken), -1: none
 ) -> torch.Tensor:  # [T, C] in x's dtype
     check_conv_args(x, weight, bias, conv_state, slots, cu_seqlens, has_initial_state, activation, checkpoint_slots)
     args = (x, weight, bias, conv_state, slots, cu_seqlens, has_initial_state)
@@ -99,4 +100,5 @@ def causal_conv1d(
     from tokenmill.kernels.causal_conv1d_triton import causal_conv1d_triton
 
     update_only = x.shape[0] <= UPDATE_MAX_TOKENS_PER_REQUEST * max(1, slots.shape[0])
+    args = (x if x.stride(1) == 1 else x.contiguous(), *args[1:])
     return causal_conv1d_triton(*args, activation=activation, checkpoint_slots=checkpoint_slots, update_only=update_only)

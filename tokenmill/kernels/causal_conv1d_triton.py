@@ -20,7 +20,12 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels._common import and_flag, interpreting
-from tokenmill.kernels.paged_attention import _find_request
+from tokenmill.kernels.paged_attention import _request_tile
+
+# On a GPU: (rows, channels, warps) of a prefill program and (channels, warps) of an update
+# program; wider prefill tiles spill on sm_90.
+PREFILL_TILE = (32, 128, 8)
+UPDATE_TILE = (256, 2)
 
 
 @triton.jit
@@ -103,10 +108,7 @@ def _conv_prefill_kernel(
     HAS_CHECKPOINTS: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    req = _find_request(cu_seqlens_ptr, num_requests, tile, BLOCK_T)
-    start = tl.load(cu_seqlens_ptr + req)
-    length = tl.load(cu_seqlens_ptr + req + 1) - start
-    tile_start = (tile - start // BLOCK_T - req) * BLOCK_T
+    req, start, length, tile_start = _request_tile(cu_seqlens_ptr, num_requests, tile, BLOCK_T)
     if tile_start >= length:
         return
     start = start.to(tl.int64)
@@ -135,7 +137,8 @@ def causal_conv1d_triton(
 ) -> torch.Tensor:
     """As causal_conv1d.causal_conv1d (arguments checked there). update_only: one sequential pass
     per request (decode, verification); else the token-parallel kernel, then the window update.
-    x rows and conv_state need a unit stride along channels."""
+    x rows and conv_state need a unit stride along channels. block_t / block_c: the
+    prefill tile (None: chosen here)."""
     num_tokens, channels = x.shape
     width = weight.shape[1]
     num_requests = slots.shape[0]
@@ -145,21 +148,22 @@ def causal_conv1d_triton(
     if x.stride(1) != 1 or conv_state.stride(2) != 1:
         raise ValueError("causal_conv1d needs x and conv_state contiguous along channels")
     on_gpu = x.device.type == "cuda" and not interpreting()
-    block_c = block_c or (256 if on_gpu else 16)
     has_checkpoints = checkpoint_slots is not None
     flags = has_initial_state.view(torch.int8)
     common = (x, weight, bias if bias is not None else weight, conv_state, slots, cu_seqlens, flags,
               checkpoint_slots if has_checkpoints else slots, out)
     strides = (x.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1), weight.stride(0))
-    consts = dict(WIDTH=width, BLOCK_C=block_c, HAS_BIAS=bias is not None, SILU=activation == "silu")
+    consts = dict(WIDTH=width, HAS_BIAS=bias is not None, SILU=activation == "silu")
     if not update_only and num_tokens:
-        block_t = block_t or (64 if on_gpu else 4)
-        _conv_prefill_kernel[(num_tokens // block_t + num_requests, triton.cdiv(channels, block_c))](
-            *common, num_requests, channels, *strides, BLOCK_T=block_t, HAS_CHECKPOINTS=has_checkpoints, **consts,
-            num_warps=4 if on_gpu else 1,
+        tile_t, tile_c, warps = PREFILL_TILE if on_gpu else (4, 16, 1)
+        tile_t, tile_c = block_t or tile_t, block_c or tile_c
+        _conv_prefill_kernel[(num_tokens // tile_t + num_requests, triton.cdiv(channels, tile_c))](
+            *common, num_requests, channels, *strides, BLOCK_T=tile_t, BLOCK_C=tile_c,
+            HAS_CHECKPOINTS=has_checkpoints, **consts, num_warps=warps,
         )
-    _conv_update_kernel[(num_requests, triton.cdiv(channels, block_c))](
-        *common, channels, *strides, COMPUTE_OUT=update_only, HAS_CHECKPOINTS=update_only and has_checkpoints, **consts,
-        num_warps=2 if on_gpu else 1,
+    update_c, warps = UPDATE_TILE if on_gpu else (16, 1)
+    _conv_update_kernel[(num_requests, triton.cdiv(channels, update_c))](
+        *common, channels, *strides, BLOCK_C=update_c, COMPUTE_OUT=update_only,
+        HAS_CHECKPOINTS=update_only and has_checkpoints, **consts, num_warps=warps,
     )
     return out

@@ -35,6 +35,23 @@ def _triton_wanted(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _unit_rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def kernel_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """What the kernels take: unit stride along the last dim, k strided as q (views of one
+    projection are, untouched), g in float32, the pool contiguous (written in place, never copied)."""
+    if not state.is_contiguous():
+        raise ValueError("the state pool must be contiguous: it is written in place")
+    q, k, v, beta = (_unit_rows(x) for x in (q, k, v, beta))
+    if k.stride() != q.stride():
+        q, k = q.contiguous(), k.contiguous()
+    return q, k, v, _unit_rows(g.float()), beta
+
+
 def gated_delta_rule(
     q: torch.Tensor,  # [T, Hk, Dk]
     k: torch.Tensor,  # [T, Hk, Dk]
@@ -42,13 +59,13 @@ def gated_delta_rule(
     g: torch.Tensor,  # float32 log-decay [T, Hv] or [T, Hv, Dk] (KDA)
     beta: torch.Tensor,  # [T, Hv], already through the sigmoid
     state: torch.Tensor,  # [num_slots, Hv, Dk, Dv] float32 or bfloat16, read and written in place
-    slots: torch.Tensor,  # [R] int32
+    slots: torch.Tensor,  # [R] int32 (int64 also taken)
     cu_seqlens: torch.Tensor,  # [R + 1] int32
     has_initial_state: torch.Tensor,  # [R] bool
     *,
     scale: float,
     use_qk_l2norm: bool = True,
-    checkpoint_slots: torch.Tensor | None = None,  # [T] int32, -1: none
+    checkpoint_slots: torch.Tensor | None = None,  # [T] int32 (int64 also taken), -1: none
 ) -> torch.Tensor:  # [T, Hv, Dv] in v's dtype
     check_gated_delta_args(q, k, v, g, beta, state, slots, cu_seqlens, has_initial_state, checkpoint_slots)
     num_tokens, num_requests = q.shape[0], slots.shape[0]
@@ -57,6 +74,7 @@ def gated_delta_rule(
     kwargs = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, checkpoint_slots=checkpoint_slots)
     if not _triton_wanted(q.device):
         return gated_delta_rule_ref(*args, **kwargs) if recurrent else gated_delta_rule_chunked_ref(*args, **kwargs)
+    args = (*kernel_inputs(q, k, v, g, beta, state), state, slots, cu_seqlens, has_initial_state)
     if recurrent:
         from tokenmill.kernels.gated_delta_recurrent import recurrent_gated_delta_rule
 

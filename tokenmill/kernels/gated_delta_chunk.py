@@ -24,6 +24,12 @@ import triton.language as tl
 from tokenmill.kernels._common import and_flag, interpreting, mm, next_pow2
 from tokenmill.kernels.gated_delta_ref import CHUNK, plan_chunks
 
+# On a GPU: value columns per scan program (narrow: more programs for one long request), and
+# warps per program (fewer spill the [64, 128] float32 tiles out of registers on sm_90).
+CHUNK_BLOCK_V = 32
+PREPARE_WARPS = 8
+SCAN_WARPS = 8
+
 
 @triton.jit
 def _unit_rows(x_ptr, rows, cols, row_ok, NORM: tl.constexpr, DK: tl.constexpr):
@@ -176,15 +182,15 @@ def chunk_gated_delta_rule(
     *, scale: float, use_qk_l2norm: bool = True, checkpoint_slots: torch.Tensor | None = None,
     chunk_size: int = CHUNK, block_v: int | None = None, num_warps: int | None = None,
 ) -> torch.Tensor:
-    """As gated_delta.gated_delta_rule (arguments checked there); reads cu_seqlens and the
-    checkpoints on the host. block_v / num_warps: the scan's tile (None: chosen here)."""
+    """As gated_delta.gated_delta_rule, whose kernel_inputs prepares the arguments; reads
+    cu_seqlens and the checkpoints on the host. block_v / num_warps: the scan's tile (None:
+    chosen here)."""
     num_tokens, key_heads, key_dim = q.shape
     value_heads, value_dim = v.shape[1:]
     out = torch.empty_like(v)
     if num_tokens == 0:
         return out
-    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
-    g = g.float().contiguous()
+    g = g.contiguous()
     marks = [] if checkpoint_slots is None else torch.nonzero(checkpoint_slots >= 0).flatten().tolist()
     plan = plan_chunks(cu_seqlens.tolist(), marks, chunk_size)
     device = q.device
@@ -206,9 +212,9 @@ def chunk_gated_delta_rule(
         w.stride(0), w.stride(1), u.stride(0), u.stride(1), aqk.stride(0), aqk.stride(1),
         GROUP=value_heads // key_heads, DK=key_dim, DV=value_dim, DK_P=dk_p, DV_P=dv_p, CHUNK_SIZE=chunk_size,
         PER_CHANNEL=per_channel, NORM=use_qk_l2norm, UPCAST=upcast, IEEE=ieee,
-        num_warps=4 if on_gpu else 1, num_stages=1,
+        num_warps=PREPARE_WARPS if on_gpu else 1, num_stages=1,
     )
-    block_v = block_v or min(dv_p, 32 if on_gpu else 8)
+    block_v = block_v or min(dv_p, CHUNK_BLOCK_V if on_gpu else 8)
     has_checkpoints = checkpoint_slots is not None
     _chunk_scan_kernel[(slots.shape[0], value_heads, triton.cdiv(value_dim, block_v))](
         q, k, gcum, w, u, aqk, out, state, slots, has_initial_state.view(torch.int8),
@@ -217,6 +223,6 @@ def chunk_gated_delta_rule(
         aqk.stride(0), aqk.stride(1), out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2),
         GROUP=value_heads // key_heads, DK=key_dim, DV=value_dim, DK_P=dk_p, BV=block_v, CHUNK_SIZE=chunk_size,
         PER_CHANNEL=per_channel, NORM=use_qk_l2norm, HAS_CHECKPOINTS=has_checkpoints, UPCAST=upcast, IEEE=ieee,
-        num_warps=num_warps or (4 if on_gpu else 1), num_stages=2 if on_gpu else 1,
+        num_warps=num_warps or (SCAN_WARPS if on_gpu else 1), num_stages=2 if on_gpu else 1,
     )
     return out

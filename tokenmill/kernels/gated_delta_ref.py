@@ -10,7 +10,9 @@ slots[r] of `state` [num_slots, Hv, Dk, Dv]. Per value head h (key head h // (Hv
 A request starts from state[slots[r]] when has_initial_state[r], else from zeros (the slot is
 not read); its final state is stored back there, rounded to the pool's dtype. checkpoint_slots[t]
 >= 0 also stores the state after token t into that slot. Slots of one call are distinct: no
-request slot is another's, nor a checkpoint's.
+request slot is another's, nor a checkpoint's (rows sharing one, such as a CUDA graph's padding
+rows on its scratch slot, leave garbage there and in their own outputs only). Slots and
+checkpoint slots may be int32 or int64.
 """
 
 from __future__ import annotations

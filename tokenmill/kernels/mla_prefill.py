@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels._common import interpreting, mm, next_pow2
-from tokenmill.kernels.paged_attention import LOG2E, _find_request, _online_softmax_step
+from tokenmill.kernels.paged_attention import LOG2E, _online_softmax_step, _request_tile
 
 
 @triton.jit
@@ -62,10 +62,7 @@ def _mla_prefill_kernel(
 ):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest causal tiles first
     head = tl.program_id(1)
-    req = _find_request(qsl_ptr, num_requests, tile, BLOCK_M)
-    q_start = tl.load(qsl_ptr + req)
-    q_len = tl.load(qsl_ptr + req + 1) - q_start
-    q_tile_start = (tile - q_start // BLOCK_M - req) * BLOCK_M
+    req, q_start, q_len, q_tile_start = _request_tile(qsl_ptr, num_requests, tile, BLOCK_M)
     if q_tile_start >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + req)

@@ -63,6 +63,17 @@ def _online_softmax_step(acc, m_i, l_i, s, v, visible, MASKED: tl.constexpr, UPC
 
 
 @triton.jit
+def _request_tile(qsl_ptr, num_requests, tile, BLOCK: tl.constexpr):
+    """For a grid of tokens // BLOCK + requests tiles, request i's tiles numbered from
+    query_start_loc[i] // BLOCK + i: (request, its first row, its row count, this tile's first
+    row within it; past the count for a spare tile)."""
+    req = _find_request(qsl_ptr, num_requests, tile, BLOCK)
+    start = tl.load(qsl_ptr + req)
+    length = tl.load(qsl_ptr + req + 1) - start
+    return req, start, length, (tile - start // BLOCK - req) * BLOCK
+
+
+@triton.jit
 def _attend_tiles(
     acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos, kv_end, t_lo, t_hi, offs_d,
     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,

@@ -52,6 +52,15 @@ class KVCacheCoordinator:
     def counters(self) -> CacheCounters:
         return self.paged.counters
 
+    def snapshot_stats(self) -> dict[str, int]:
+        """The state snapshot pool's counters and bytes (none without a pool), as EngineStats names them."""
+        snapshots, per_slot = self.snapshots, self.bytes_per_state_slot
+        if snapshots is None:
+            return {}
+        return dict(state_snapshot_lookups=snapshots.counters.lookups, state_snapshot_hits=snapshots.counters.hits,
+                    state_snapshots_cached=snapshots.num_cached, state_snapshot_bytes_used=snapshots.num_cached * per_slot,
+                    state_snapshot_bytes_total=snapshots.num_slots * per_slot)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return self.paged.blocks_needed(num_tokens)
 

@@ -48,7 +48,12 @@ class Variant:
 
 
 class Attention(nn.Module):
-    """GQA attention over a paged KV cache (a cache layer: it declares its spec and is bound its tensor)."""
+    """GQA attention over a paged KV cache (a cache layer: it declares its spec and is bound its tensor).
+    A subclass may widen the query projection (`query_outputs` per head: a gate beside the query)
+    and choose the q/k norm (`qk_norm`)."""
+
+    query_outputs = 1
+    qk_norm: type[RMSNorm] = RMSNorm
 
     def __init__(self, build: ModelBuild, rotary: RotaryEmbedding, variant: Variant, prefix: str) -> None:
         super().__init__()
@@ -66,11 +71,11 @@ class Attention(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = bias if variant.qkv_bias is None else variant.qkv_bias
         o_bias = bias if variant.o_bias is None else variant.o_bias
-        self.qkv_proj = Linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias,
-                               method=quant.linear_method(f"{prefix}.qkv_proj"))
+        self.qkv_proj = Linear(config.hidden_size, [self.query_outputs * self.q_size, self.kv_size, self.kv_size],
+                               bias=qkv_bias, method=quant.linear_method(f"{prefix}.qkv_proj"))
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias, method=quant.linear_method(f"{prefix}.o_proj"))
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, build.use_triton) if variant.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, build.use_triton) if variant.qk_norm else None
+        self.q_norm = self.qk_norm(self.head_dim, config.rms_norm_eps, build.use_triton) if variant.qk_norm else None
+        self.k_norm = self.qk_norm(self.head_dim, config.rms_norm_eps, build.use_triton) if variant.qk_norm else None
         self.rotary = rotary
         self.scale = self.head_dim**-0.5
         self.kv_cache = torch.empty(0)  # bound by the runner

@@ -42,16 +42,13 @@ LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 
 class GatedAttention(Attention):
     """Llama's paged GQA attention with a per-head output gate in q_proj, (1 + w) q/k norms and
-    partial rotary."""
+    partial rotary (the rotary module's)."""
+
+    query_outputs = 2
+    qk_norm = ZeroCenteredRMSNorm
 
     def __init__(self, build: ModelBuild, rotary: RotaryEmbedding, prefix: str) -> None:
         super().__init__(build, rotary, Variant(qk_norm=True), prefix)
-        config, quant = build.hf_config, build.quant
-        self.qkv_proj = Linear(config.hidden_size, [2 * self.q_size, self.kv_size, self.kv_size],
-                               bias=bool(getattr(config, "attention_bias", False)),
-                               method=quant.linear_method(f"{prefix}.qkv_proj"))
-        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps, build.use_triton)
-        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps, build.use_triton)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         tokens = x.shape[0]

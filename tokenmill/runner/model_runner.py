@@ -158,6 +158,9 @@ class ModelRunner:
         allocate_caches(target_layers, 0, 0, self.device)
 
     def prepare_inputs(self, step: StepInput, previous: StepOutput | None = None) -> BatchInputs:
+        """The step's batch tensors; resuming requests' states are copied into their slots first."""
+        if step.state_copies:
+            self.copy_state_slots(step.state_copies)
         chunks: list[Chunk] = []
         # Tokens sampled by the step still in flight: (row in this batch, row in that step).
         placeholder_rows: list[int] = []
@@ -214,8 +217,6 @@ class ModelRunner:
         them and sample the correction or bonus token). `previous` is the step still in flight,
         whose sampled ids feed this step's placeholders."""
         inputs = self.prepare_inputs(step, previous)
-        if step.state_copies:
-            self.copy_state_slots(step.state_copies)
         logits = self._logits(inputs)
         if logits is None:
             return None

@@ -35,20 +35,14 @@ class RecurrentBatch:
     """Where each request's state lives in one forward; built once per forward, shared by every
     recurrent layer. Device tensors only: nothing here reads back to the host."""
 
-    slots: torch.Tensor  # [R] int32: each request's slot
+    slots: torch.Tensor  # [R] int64: each request's slot
     cu_seqlens: torch.Tensor  # [R + 1] int32: request r owns rows cu_seqlens[r]:cu_seqlens[r + 1]
     has_initial_state: torch.Tensor  # [R] bool: False starts from zeros
-    checkpoint_slots: torch.Tensor | None  # [T] int32: after row t also write the state there (-1: none)
+    checkpoint_slots: torch.Tensor | None  # [T] int64: after row t also write the state there (-1: none)
 
     @classmethod
     def of(cls, ctx: StepContext) -> RecurrentBatch:
         if ctx.state_slots is None:
             raise ValueError("a model with recurrent layers needs a state slot per request")
         starts = ctx.attention.query_start_loc
-        checkpoints = ctx.state_checkpoints
-        return cls(
-            slots=ctx.state_slots.to(torch.int32),
-            cu_seqlens=starts,
-            has_initial_state=ctx.positions[starts[:-1].long()] > 0,
-            checkpoint_slots=None if checkpoints is None else checkpoints.to(torch.int32),
-        )
+        return cls(ctx.state_slots, starts, ctx.positions[starts[:-1].long()] > 0, ctx.state_checkpoints)
