@@ -14,7 +14,8 @@ checked against its PyTorch reference at these shapes. Then:
 - conv1d decode (window bytes read + written) and prefill;
 - if fla (fla-core) is importable: its fused_recurrent / chunk_gated_delta_rule on the same
   inputs (no slot pool: a contiguous state per request, the same bytes);
-- the sweep times other value-column tiles and warps of the decode kernel.
+- the sweep times other value-column tiles and warps of the decode kernel, and of the chunked
+  kernels at the middle prefill length.
 Decode and conv times are CUDA-graph replays after an L2 flush (the engine captures decode);
 prefill runs eagerly as in the engine (its chunk plan is made on the host). Medians of repeats.
 """
@@ -43,6 +44,7 @@ from tokenmill.kernels.gated_delta import (  # noqa: E402
     gated_delta_rule_chunked_ref,
     gated_delta_rule_ref,
 )
+from tokenmill.kernels.gated_delta_chunk import chunk_gated_delta_rule  # noqa: E402
 from tokenmill.kernels.gated_delta_recurrent import recurrent_gated_delta_rule  # noqa: E402
 
 
@@ -241,6 +243,19 @@ class Bench:
                         row["ratio"] = row["GB/s"] / self.copy_gbs
 
 
+    def sweep_prefill(self) -> None:
+        s = self.s
+        tokens = s.prefills[len(s.prefills) // 2]
+        for per_channel in (False, True):
+            args, scale = self.inputs([tokens], torch.float32, per_channel=per_channel)
+            for prepare_warps in (8, 16) if s.device == "cuda" else (1,):
+                for block_v, warps in ((32, 4), (32, 8), (64, 8)) if s.device == "cuda" else ((8, 1),):
+                    seconds = eager_time(s, lambda: chunk_gated_delta_rule(
+                        *args, scale=scale, block_v=block_v, num_warps=warps, prepare_warps=prepare_warps))
+                    record("sweep prefill", f"{'kda' if per_channel else 'gdn'} {tokens} tokens", seconds,
+                           tok_per_s=tokens / seconds, plan=f"prepare w{prepare_warps}, scan v{block_v} w{warps}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-sweep", action="store_true", help="skip the decode tile sweep")
@@ -258,9 +273,10 @@ def main() -> None:
         stage()
     if not args.no_sweep:
         bench.sweep()
+        bench.sweep_prefill()
     for row in rows:
         if "tok_per_s" in row:
-            row["plan"] = f"{row['tok_per_s']:,.0f} tok/s"
+            row["plan"] = f"{row['tok_per_s']:,.0f} tok/s" + (f", {row['plan']}" if "plan" in row else "")
     print(f"copy {bench.copy_gbs:.0f} GB/s, {time.perf_counter() - began:.0f} s")
     print_table()
     if args.json:

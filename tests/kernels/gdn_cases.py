@@ -33,9 +33,11 @@ def delta_batch(
     lengths: list[int], initial: list[bool], *, key_heads: int = 2, value_heads: int = 4, key_dim: int = 8,
     value_dim: int = 16, per_channel: bool = False, dtype: torch.dtype = torch.float32,
     state_dtype: torch.dtype = torch.float32, spare_slots: int = 3, seed: int = 0, device: str = "cpu",
-    gate_scale: float = 1.0,
+    gate_scale: float = 1.0, correlated_keys: bool = False,
 ) -> DeltaBatch:
-    """Log-decays as the models make them (-exp(A_log) softplus(a)), per head or per key channel."""
+    """Log-decays as the models make them (-exp(A_log) softplus(a)), per head or per key channel.
+    correlated_keys: every key near one direction per head, so beta k_i . k_j is near beta and
+    the chunk's triangular system is far from the identity (the hard case for the UT transform)."""
     gen = torch.Generator().manual_seed(seed)
     total = sum(lengths)
     num_slots = len(lengths) + spare_slots
@@ -48,9 +50,12 @@ def delta_batch(
     state = randn(num_slots, value_heads, key_dim, value_dim) * 0.5
     slots = torch.randperm(num_slots, generator=gen)[: len(lengths)]
     starts = torch.tensor([0] + lengths).cumsum(0)
+    k = randn(total, key_heads, key_dim)
+    if correlated_keys:
+        k = randn(1, key_heads, key_dim) + 0.3 * k
     return DeltaBatch(
         q=randn(total, key_heads, key_dim).to(dtype).to(device),
-        k=randn(total, key_heads, key_dim).to(dtype).to(device),
+        k=k.to(dtype).to(device),
         v=randn(total, value_heads, value_dim).to(dtype).to(device),
         g=g.float().to(device),
         beta=torch.rand(total, value_heads, generator=gen).to(dtype).to(device),

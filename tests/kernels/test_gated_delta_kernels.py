@@ -50,6 +50,7 @@ KIMI = dict(key_heads=32, value_heads=32, key_dim=128, value_dim=128)
     [
         # On CPU most cases use chunks of 16 (the same kernel code) so tiny batches cross several.
         on_cpu(False, [70, 3], 64, torch.float32, torch.float32, TINY, id="gdn-chunks-of-64"),
+        on_cpu(False, [64], 64, "correlated", torch.float32, TINY, id="gdn-chunks-of-64-correlated-keys"),
         on_cpu(False, [40, 5, 21], 16, torch.float32, torch.float32, TINY, id="gdn-three-requests"),
         on_cpu(True, [40, 5, 21], 16, torch.float32, torch.float32, TINY, id="kda-three-requests"),
         on_cpu(False, [34, 3], 16, torch.bfloat16, torch.bfloat16, TINY, id="gdn-bf16-inputs-bf16-state"),
@@ -63,8 +64,10 @@ KIMI = dict(key_heads=32, value_heads=32, key_dim=128, value_dim=128)
 def test_chunked_matches_reference(per_channel: bool, lengths: list[int], chunk: int, dtype, state_dtype, heads,
                                    device: str) -> None:
     initial = [r % 2 == 1 for r in range(len(lengths))]
-    batch = delta_batch(lengths, initial, per_channel=per_channel, dtype=dtype, state_dtype=state_dtype,
-                        device=device, **heads)
+    correlated = dtype == "correlated"  # weak decay, keys near one direction: T far from the identity
+    batch = delta_batch(lengths, initial, per_channel=per_channel, dtype=torch.float32 if correlated else dtype,
+                        state_dtype=state_dtype, device=device, correlated_keys=correlated,
+                        gate_scale=0.05 if correlated else 1.0, **heads)
     compare(chunk_gated_delta_rule, batch, chunk_size=chunk)
 
 

@@ -72,15 +72,16 @@ def test_forms_agree_with_grouped_heads(per_channel: bool) -> None:
 
 
 @pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_split_sequence_resumes_from_slot(form: str, state_dtype: torch.dtype) -> None:
+def test_split_sequence_resumes_from_slot(form: str, per_channel: bool, state_dtype: torch.dtype) -> None:
     """One call over 100 tokens equals a call over 37 then one over 63 resuming from the slot;
     with a bf16 pool the state is rounded once more at the split, so the tolerance is bf16's."""
     fn = FORMS[form]
-    whole = delta_batch([100], [False], state_dtype=state_dtype, per_channel=form == "chunked")
+    whole = delta_batch([100], [False], state_dtype=state_dtype, per_channel=per_channel)
     out_whole = fn(*whole.args(), scale=whole.scale)
     slot = int(whole.slots[0])
-    first = delta_batch([100], [False], state_dtype=state_dtype, per_channel=form == "chunked")
+    first = delta_batch([100], [False], state_dtype=state_dtype, per_channel=per_channel)
     parts = []
     for lo, hi, initial in ((0, 37, False), (37, 100, True)):
         tokens = [x[lo:hi] for x in (first.q, first.k, first.v, first.g, first.beta)]

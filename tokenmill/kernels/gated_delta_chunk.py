@@ -3,7 +3,7 @@ mirroring gated_delta_ref.gated_delta_rule_chunked_ref:
 
 1. _chunk_prepare_kernel, one program per (chunk, value head), all chunks in parallel: the
    cumulative log-decay, the UT transform T = (I + strict_lower(beta_i k_i . k_j decay_ij))^-1
-   by forward substitution, the WY factors w = T (beta k e^gcum) and u = T (beta v), and the
+   (forward substitution in blocks of 16, then a block merge), the WY factors w = T (beta k e^gcum) and u = T (beta v), and the
    masked intra-chunk attention q_i . k_j decay_ij. With a per-channel gate (KDA) the decay sits
    inside the sum over key channels, so those two matrices are built a column at a time, every
    exponent <= 0 (no overflow however strong the decay).
@@ -25,9 +25,10 @@ from tokenmill.kernels._common import and_flag, interpreting, mm, next_pow2
 from tokenmill.kernels.gated_delta_ref import CHUNK, plan_chunks
 
 # On a GPU: value columns per scan program (narrow: more programs for one long request), and
-# warps per program (fewer spill the [64, 128] float32 tiles out of registers on sm_90).
+# warps per program (with fewer, the float32 tiles of the UT transform and the scan spill out of
+# sm_90's registers).
 CHUNK_BLOCK_V = 32
-PREPARE_WARPS = 8
+PREPARE_WARPS = 16
 SCAN_WARPS = 8
 
 
@@ -39,6 +40,30 @@ def _unit_rows(x_ptr, rows, cols, row_ok, NORM: tl.constexpr, DK: tl.constexpr):
     if NORM:
         x = x * tl.rsqrt(tl.sum(x * x, 1) + 1e-6)[:, None]
     return x
+
+
+@triton.jit
+def _unit_lower_inverse(a, idx, CHUNK_SIZE: tl.constexpr):
+    """(I + a)^-1 for a strictly lower triangular [CHUNK, CHUNK] float32 a. The diagonal blocks of
+    SUB rows are inverted by forward substitution, one row of every block per step (row i of
+    D^-1 is e_i - sum_{j < i} a_ij (D^-1)_j); then with M = D^-1 N (N: a below the diagonal
+    blocks, so M^4 = 0 for at most four blocks), (I + a)^-1 = (I - M)(I + M^2) D^-1, exact."""
+    SUB: tl.constexpr = 16 if CHUNK_SIZE > 16 else CHUNK_SIZE
+    tl.static_assert(CHUNK_SIZE <= 4 * SUB)
+    same_block = (idx[:, None] // SUB) == (idx[None, :] // SUB)
+    diagonal = tl.where(same_block, a, 0.0)
+    eye = tl.where(idx[:, None] == idx[None, :], 1.0, 0.0)
+    d_inv = eye
+    for r in range(1, SUB):
+        step_rows = (idx % SUB) == r
+        a_rows = tl.sum(tl.where(step_rows[:, None], diagonal, 0.0), 0)  # blocks' rows side by side
+        row = tl.where(step_rows, 1.0, 0.0) - tl.sum(a_rows[:, None] * d_inv, 0)
+        d_inv = tl.where(step_rows[:, None] & same_block, row[None, :], d_inv)
+    zeros = tl.zeros([CHUNK_SIZE, CHUNK_SIZE], tl.float32)
+    m = tl.dot(d_inv, tl.where(same_block, 0.0, a), zeros, input_precision="ieee")
+    m2 = tl.dot(m, m, zeros, input_precision="ieee")
+    p = tl.dot(eye - m, m2, eye - m, input_precision="ieee")
+    return tl.dot(p, d_inv, zeros, input_precision="ieee")
 
 
 @triton.jit
@@ -84,33 +109,30 @@ def _chunk_prepare_kernel(
             col = idx[None, :] == j
             kk = tl.where(col, tl.sum(k * decayed, 1)[:, None], kk)
             qk = tl.where(col, tl.sum(q * decayed, 1)[:, None], qk)
-        k_decayed = k * tl.exp(gcum)
     else:
         gcum = tl.cumsum(tl.load(g_ptr + tok * stride_gt + head, mask=row_ok, other=0.0), 0)
         tl.store(gcum_ptr + tok * stride_gt + head, gcum, mask=row_ok)
         decay = tl.exp(tl.minimum(gcum[:, None] - gcum[None, :], 0.0))
         kk = mm(k.to(dt), tl.trans(k.to(dt)), tl.zeros([CHUNK_SIZE, CHUNK_SIZE], tl.float32), UPCAST, IEEE) * decay
         qk = mm(q.to(dt), tl.trans(k.to(dt)), tl.zeros([CHUNK_SIZE, CHUNK_SIZE], tl.float32), UPCAST, IEEE) * decay
-        k_decayed = k * tl.exp(gcum)[:, None]
-    a = tl.where(idx[:, None] > idx[None, :], beta[:, None] * kk, 0.0)
-    # Forward substitution: row i of T is e_i - sum_{j < i} a_ij T_j (T starts as the identity).
-    t_inv = tl.where(idx[:, None] == idx[None, :], 1.0, 0.0)
-    for i in range(1, length):
-        a_i = tl.sum(tl.where(idx[:, None] == i, a, 0.0), 0)
-        row = tl.where(idx == i, 1.0, 0.0) - tl.sum(a_i[:, None] * t_inv, 0)
-        t_inv = tl.where(idx[:, None] == i, row[None, :], t_inv)
-
-    v = tl.load(v_ptr + tok[:, None] * stride_vt + head * stride_vh + dv[None, :],
-                mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
-    t_dt = t_inv.to(dt)
-    w = mm(t_dt, (beta[:, None] * k_decayed).to(dt), tl.zeros([CHUNK_SIZE, DK_P], tl.float32), UPCAST, IEEE)
-    u = mm(t_dt, (beta[:, None] * v).to(dt), tl.zeros([CHUNK_SIZE, DV_P], tl.float32), UPCAST, IEEE)
-    tl.store(w_ptr + tok[:, None] * stride_wt + head * stride_wh + dk[None, :], w.to(w_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (dk[None, :] < DK))
-    tl.store(u_ptr + tok[:, None] * stride_ut + head * stride_uh + dv[None, :], u.to(u_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (dv[None, :] < DV))
     tl.store(aqk_ptr + tok[:, None] * stride_at + head * stride_ah + idx[None, :], tl.where(lower, qk, 0.0),
              mask=row_ok[:, None])
+    t_dt = _unit_lower_inverse(tl.where(idx[:, None] > idx[None, :], beta[:, None] * kk, 0.0), idx, CHUNK_SIZE).to(dt)
+
+    # k and its decays again, from memory: fewer [CHUNK, Dk] tiles stay live through the inverse.
+    k = _unit_rows(k_ptr + key_head * stride_qh, tok * stride_qt, dk, row_ok, NORM, DK)
+    if PER_CHANNEL:
+        k_decayed = k * tl.exp(tl.load(gcum_rows, mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0))
+    else:
+        k_decayed = k * tl.exp(gcum)[:, None]
+    w = mm(t_dt, (beta[:, None] * k_decayed).to(dt), tl.zeros([CHUNK_SIZE, DK_P], tl.float32), UPCAST, IEEE)
+    tl.store(w_ptr + tok[:, None] * stride_wt + head * stride_wh + dk[None, :], w.to(w_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (dk[None, :] < DK))
+    v = tl.load(v_ptr + tok[:, None] * stride_vt + head * stride_vh + dv[None, :],
+                mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
+    u = mm(t_dt, (beta[:, None] * v).to(dt), tl.zeros([CHUNK_SIZE, DV_P], tl.float32), UPCAST, IEEE)
+    tl.store(u_ptr + tok[:, None] * stride_ut + head * stride_uh + dv[None, :], u.to(u_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (dv[None, :] < DV))
 
 
 @triton.jit
@@ -181,10 +203,11 @@ def chunk_gated_delta_rule(
     state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor, has_initial_state: torch.Tensor,
     *, scale: float, use_qk_l2norm: bool = True, checkpoint_slots: torch.Tensor | None = None,
     chunk_size: int = CHUNK, block_v: int | None = None, num_warps: int | None = None,
+    prepare_warps: int | None = None,
 ) -> torch.Tensor:
     """As gated_delta.gated_delta_rule, whose kernel_inputs prepares the arguments; reads
-    cu_seqlens and the checkpoints on the host. block_v / num_warps: the scan's tile (None:
-    chosen here)."""
+    cu_seqlens and the checkpoints on the host. block_v / num_warps: the scan's tile,
+    prepare_warps the first kernel's warps (None: chosen here)."""
     num_tokens, key_heads, key_dim = q.shape
     value_heads, value_dim = v.shape[1:]
     out = torch.empty_like(v)
@@ -212,7 +235,7 @@ def chunk_gated_delta_rule(
         w.stride(0), w.stride(1), u.stride(0), u.stride(1), aqk.stride(0), aqk.stride(1),
         GROUP=value_heads // key_heads, DK=key_dim, DV=value_dim, DK_P=dk_p, DV_P=dv_p, CHUNK_SIZE=chunk_size,
         PER_CHANNEL=per_channel, NORM=use_qk_l2norm, UPCAST=upcast, IEEE=ieee,
-        num_warps=PREPARE_WARPS if on_gpu else 1, num_stages=1,
+        num_warps=prepare_warps or (PREPARE_WARPS if on_gpu else 1), num_stages=1,
     )
     block_v = block_v or min(dv_p, CHUNK_BLOCK_V if on_gpu else 8)
     has_checkpoints = checkpoint_slots is not None
