@@ -10,8 +10,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-FP8_E4M3_MAX = 448.0
-FP8_DTYPE = torch.float8_e4m3fn
+from tokenmill.numerics import FP8_E4M3 as FP8_DTYPE
+from tokenmill.numerics import FP8_E4M3_MAX
+
+__all__ = ["FP8_DTYPE", "FP8_E4M3_MAX"]
 
 
 def interpreting() -> bool:

@@ -6,13 +6,20 @@ quantization methods finish, evaluation mode. `model_weight_bytes` sizes a model
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable
 
 import torch
+from transformers import PretrainedConfig
 
 from tokenmill.models.interface import CausalLM, ModelBuild
-from tokenmill.models.loader import CheckpointSource, iter_weights
+from tokenmill.models.loader import CheckpointSource, checkpoint_tensor_names, iter_weights, load_hf_quant_config
 from tokenmill.models.registry import model_class
+from tokenmill.models.weights import modules_by_target
+from tokenmill.quantization.checkpoint import CheckpointQuantization
+from tokenmill.quantization.detect import read_quant_spec
+
+logger = logging.getLogger(__name__)
 
 
 def build_model(
@@ -31,6 +38,29 @@ def build_model(
         before_processing(model)
     model.process_weights_after_loading()
     return model.eval()
+
+
+def checkpoint_quantization(
+    hf_config: PretrainedConfig, source: CheckpointSource, use_triton: bool, read_weights: bool = True
+) -> CheckpointQuantization | None:
+    """The quantization a checkpoint's config describes (None: unquantized), its layers named
+    through the model's packed names from the checkpoint's tensor names (read_weights=False, for
+    random weights: from the model's own names, a tied output head left unquantized)."""
+    spec = read_quant_spec(getattr(hf_config, "quantization_config", None), load_hf_quant_config(source))
+    if spec is None:
+        return None
+    names = checkpoint_tensor_names(source) if read_weights else None
+    table = modules_by_target(model_class(hf_config), names) if names is not None else None
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+
+    def checkpoint_names(prefix: str) -> list[str]:
+        if table is not None:
+            return table.get(prefix, [])
+        return [] if tied and prefix == "lm_head" else [prefix]
+
+    quant = CheckpointQuantization(spec, use_triton, checkpoint_names)
+    logger.info("quantized checkpoint: %s (from %s)", quant.name, spec.where)
+    return quant
 
 
 def model_weight_bytes(build: ModelBuild, dtype: torch.dtype) -> int:
