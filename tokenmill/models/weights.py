@@ -49,7 +49,7 @@ class CheckpointLoader:
     def load(self, name: str, tensor: torch.Tensor) -> None:
         if self.skip(name) or self.kv_scales.take(name, tensor):
             return
-        target, shard = self.names.locate(name)
+        target, shard = self.locate(name)
         param = self.params.get(target)
         if param is None:
             raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {type(self.model).__name__}")
@@ -70,6 +70,10 @@ class CheckpointLoader:
             raise ModelLoadError(f"the checkpoint lacks {len(missing)} tensors of {type(self.model).__name__}, "
                                  f"e.g. {missing[:3]}")
         self.kv_scales.apply(self.model)
+
+    def locate(self, name: str) -> tuple[str, Shard]:
+        """(model parameter, shard) of a checkpoint tensor."""
+        return self.names.locate(name)
 
 
 class PackedNames:
