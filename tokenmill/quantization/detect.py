@@ -45,10 +45,10 @@ def read_quant_spec(quantization_config: Mapping[str, Any] | None,
                     hf_quant_config: Mapping[str, Any] | None) -> QuantSpec | None:
     """The checkpoint's quantization, or None for an unquantized checkpoint. When both files
     describe it, they must agree on the algorithm."""
-    from_config = _from_config_json(quantization_config) if quantization_config else None
-    from_file = _modelopt(hf_quant_config.get("quantization"), HF_QUANT_CONFIG) if hf_quant_config else None
     if hf_quant_config and not isinstance(hf_quant_config.get("quantization"), Mapping):
         raise ConfigError("hf_quant_config.json has no \"quantization\" section; fix or remove the file")
+    from_config = _from_config_json(quantization_config) if quantization_config else None
+    from_file = _modelopt(hf_quant_config.get("quantization"), HF_QUANT_CONFIG) if hf_quant_config else None
     if from_config and from_file and _algo(from_config) != _algo(from_file):
         raise ConfigError(f"{CONFIG_JSON} says {_algo(from_config)} but {HF_QUANT_CONFIG} says {_algo(from_file)}; "
                           "the checkpoint's two configs disagree: fix or remove one of them")
