@@ -173,18 +173,19 @@ def iter_weights(source: CheckpointSource) -> Iterator[tuple[str, torch.Tensor]]
             ) from e
 
 
-def checkpoint_tensor_names(source: CheckpointSource) -> list[str] | None:
-    """Every tensor name of a safetensors checkpoint, read from the file headers only (None for GGUF)."""
+def checkpoint_tensor_dtypes(source: CheckpointSource) -> dict[str, str] | None:
+    """Every tensor of a safetensors checkpoint and its stored dtype ("F8_E4M3", "BF16", ...), read
+    from the file headers only (None for GGUF)."""
     if source.gguf_file is not None:
         return None
-    names: list[str] = []
+    dtypes: dict[str, str] = {}
     for file in safetensors_files(source.path):
         try:
             with safe_open(str(file), framework="pt") as f:
-                names.extend(f.keys())
+                dtypes.update((name, f.get_slice(name).get_dtype()) for name in f.keys())
         except Exception as e:
             raise ModelLoadError(f"{file}: corrupt or truncated safetensors file ({e}); download it again") from e
-    return names
+    return dtypes
 
 
 def load_hf_quant_config(source: CheckpointSource) -> dict | None:

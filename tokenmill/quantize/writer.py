@@ -25,7 +25,7 @@ from tokenmill.layers.linear import Linear
 from tokenmill.models.interface import CausalLM, ModelBuild
 from tokenmill.models.loader import (
     CheckpointSource,
-    checkpoint_tensor_names,
+    checkpoint_tensor_dtypes,
     iter_weights,
     load_hf_config,
     load_hf_quant_config,
@@ -76,7 +76,7 @@ def quantize_checkpoint(request: QuantizeRequest) -> Path:
     device = torch.device(request.device)
     build = ModelBuild(hf_config, TorchReferenceBackend(), SEQUENCE_TOKENS, 16, torch.float32)
     model = build_model(build, source, dtype=torch.float32, device=device, dummy_seed=None)
-    names = checkpoint_tensor_names(source) or [name for name, _ in iter_weights(source)]
+    names = list(checkpoint_tensor_dtypes(source) or (name for name, _ in iter_weights(source)))
     plan = _Plan(model, names, encoder, request)
     token_ids, what = calibration_token_ids(source, hf_config.vocab_size, request.calibration_tokens)
     amax = calibrate(model, token_ids, device, f"{what}, body", lambda path: path != HEAD, request.progress)
@@ -97,8 +97,7 @@ def quantize_checkpoint(request: QuantizeRequest) -> Path:
     config = hf_config.to_dict()
     if request.draft and tied:
         config["tie_word_embeddings"] = False
-    exclude = [*plan.exclude] if not request.draft else list(request.exclude)
-    files = encoder.config_files(exclude)
+    files = encoder.config_files(plan.written_exclusions())
     config["quantization_config"] = files.quantization_config
     _write(request.out, tensors, config, files.hf_quant_config, source)
     logger.info("wrote %s: %d layers in %s, %d tensors", request.out, len(plan.quantized) + request.draft,
@@ -117,7 +116,9 @@ class _Plan:
         self.packed = PackedNames(getattr(model, "packed", {}))
         self.loader = CheckpointLoader(model, getattr(model, "packed", {}))
         modules = dict(quantizable_modules(model))
+        linears = {path for path, m in model.named_modules() if isinstance(m, Linear)}
         self.quantized: dict[str, tuple[str, object]] = {}  # checkpoint module -> (model module path, shard)
+        self.kept: list[str] = []  # linear layers left in high precision that no pattern names
         for name in names:
             if not name.endswith(".weight"):
                 continue
@@ -126,6 +127,13 @@ class _Plan:
             module = name.removesuffix(".weight")
             if path in modules and path != HEAD and not excluded(module, self.exclude):
                 self.quantized[module] = (path, shard)
+            elif path in linears and not excluded(module, self.exclude) and not (self.draft and path == HEAD):
+                self.kept.append(module)
+
+    def written_exclusions(self) -> list[str]:
+        """The exclusion list the config states: the patterns, and every other linear layer left in
+        high precision (MoE routers), so that readers which quantize every unlisted layer agree."""
+        return [*self.exclude, *self.kept]
 
     def calibration(self, module: str, amax: ActivationAmax) -> dict[str, torch.Tensor]:
         path, shard = self.quantized.get(module, (HEAD, None))

@@ -13,13 +13,15 @@ import torch
 from transformers import PretrainedConfig
 
 from tokenmill.models.interface import CausalLM, ModelBuild
-from tokenmill.models.loader import CheckpointSource, checkpoint_tensor_names, iter_weights, load_hf_quant_config
+from tokenmill.models.loader import CheckpointSource, checkpoint_tensor_dtypes, iter_weights, load_hf_quant_config
 from tokenmill.models.registry import model_class
 from tokenmill.models.weights import modules_by_target
 from tokenmill.quantization.checkpoint import CheckpointQuantization
 from tokenmill.quantization.detect import read_quant_spec
 
 logger = logging.getLogger(__name__)
+
+HIGH_PRECISION = ("F32", "BF16", "F16", "F64")
 
 
 def build_model(
@@ -44,18 +46,20 @@ def checkpoint_quantization(
     hf_config: PretrainedConfig, source: CheckpointSource, use_triton: bool, read_weights: bool = True
 ) -> CheckpointQuantization | None:
     """The quantization a checkpoint's config describes (None: unquantized), its layers named
-    through the model's packed names from the checkpoint's tensor names (read_weights=False, for
-    random weights: from the model's own names, a tied output head left unquantized)."""
+    through the model's packed names from the checkpoint's tensor names, a layer whose weight the
+    checkpoint stores in high precision left unquantized (DeepSeek's routers, which its config does
+    not list); read_weights=False (random weights): from the model's own names, a tied output head
+    left unquantized."""
     spec = read_quant_spec(getattr(hf_config, "quantization_config", None), load_hf_quant_config(source))
     if spec is None:
         return None
-    names = checkpoint_tensor_names(source) if read_weights else None
-    table = modules_by_target(model_class(hf_config), names) if names is not None else None
+    dtypes = checkpoint_tensor_dtypes(source) if read_weights else None
+    table = modules_by_target(model_class(hf_config), dtypes) if dtypes is not None else None
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
 
     def checkpoint_names(prefix: str) -> list[str]:
-        if table is not None:
-            return table.get(prefix, [])
+        if table is not None and dtypes is not None:
+            return [name for name in table.get(prefix, []) if dtypes.get(f"{name}.weight") not in HIGH_PRECISION]
         return [] if tied and prefix == "lm_head" else [prefix]
 
     quant = CheckpointQuantization(spec, use_triton, checkpoint_names)
