@@ -64,18 +64,24 @@ def record_activations(model: CausalLM, amax: ActivationAmax, only: Callable[[st
 
 
 @torch.inference_mode()
+def sequence_logits(model: CausalLM, token_ids: list[int], device: torch.device, last_only: bool = False) -> torch.Tensor:
+    """Logits of one sequence of at most SEQUENCE_TOKENS tokens (every position, or the last), from
+    fresh scratch caches."""
+    if len(token_ids) > SEQUENCE_TOKENS:
+        raise ValueError(f"a sequence of {len(token_ids)} tokens; at most {SEQUENCE_TOKENS}")
+    allocate_caches(model.cache_layers(), -(-SEQUENCE_TOKENS // BLOCK_SIZE), 1, device)
+    ids, positions, metadata = pack([Chunk(token_ids, 0, range(-(-len(token_ids) // BLOCK_SIZE)))], BLOCK_SIZE, device)
+    hidden = model(ids, StepContext(positions, metadata))
+    return model.compute_logits(hidden[-1:] if last_only else hidden)
+
+
 def run_calibration(model: CausalLM, token_ids: list[int], device: torch.device, what: str,
-                    progress: bool = True) -> None:
-    """Forward every SEQUENCE_TOKENS-token slice of token_ids (each a sequence of its own) and its
-    logits, into scratch caches."""
-    layers = model.cache_layers()
-    allocate_caches(layers, -(-SEQUENCE_TOKENS // BLOCK_SIZE), 1, device)
+                    progress: bool = True, head: bool = False) -> None:
+    """Forward every SEQUENCE_TOKENS-token slice of token_ids (each a sequence of its own); with
+    `head`, the logits of every position (so a hook on the output head sees all its inputs)."""
     slices = [token_ids[i: i + SEQUENCE_TOKENS] for i in range(0, len(token_ids), SEQUENCE_TOKENS)]
     for chunk in tqdm(slices, desc=f"calibrating ({what})", unit="seq", disable=not progress):
-        blocks = range(-(-len(chunk) // BLOCK_SIZE))
-        ids, positions, metadata = pack([Chunk(chunk, 0, blocks)], BLOCK_SIZE, device)
-        hidden = model(ids, StepContext(positions, metadata))
-        model.compute_logits(hidden[-1:])
+        sequence_logits(model, chunk, device, last_only=not head)
 
 
 def calibrate(model: CausalLM, token_ids: list[int], device: torch.device, what: str,
@@ -83,7 +89,7 @@ def calibrate(model: CausalLM, token_ids: list[int], device: torch.device, what:
     amax = ActivationAmax()
     handles = record_activations(model, amax, only)
     try:
-        run_calibration(model, token_ids, device, what, progress)
+        run_calibration(model, token_ids, device, what, progress, head=only("lm_head"))
     finally:
         for handle in handles:
             handle.remove()

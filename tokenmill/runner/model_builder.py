@@ -16,12 +16,14 @@ from tokenmill.models.interface import CausalLM, ModelBuild
 from tokenmill.models.loader import CheckpointSource, checkpoint_tensor_dtypes, iter_weights, load_hf_quant_config
 from tokenmill.models.registry import model_class
 from tokenmill.models.weights import modules_by_target
+from tokenmill.numerics import FP8_E4M3, FP8_E4M3_MAX
 from tokenmill.quantization.checkpoint import CheckpointQuantization
 from tokenmill.quantization.detect import read_quant_spec
 
 logger = logging.getLogger(__name__)
 
 HIGH_PRECISION = ("F32", "BF16", "F16", "F64")
+DUMMY_E8M0_SCALE = 127 - 11  # 2^-11, about 0.02 / 32
 
 
 def build_model(
@@ -87,12 +89,20 @@ def _construct(build: ModelBuild, dtype: torch.dtype, device: torch.device) -> C
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
-    """Seeded random weights of realistic scale: N(0, 0.02) matrices, unit norms, zero biases."""
+    """Seeded random weights of realistic scale: N(0, 0.02) matrices, unit norms, zero biases; a
+    quantized layer's codes spread over its format's range and scales that bring them to ~0.02."""
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias"):
                 param.zero_()
+            elif param.dtype == FP8_E4M3:  # codes of about N(0, 32): scale 0.02 / 32
+                values = torch.empty(param.shape, device=param.device).normal_(0.0, 32.0, generator=generator)
+                param.copy_(values.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_E4M3))
+            elif "scale" in name.rsplit(".", 1)[-1]:
+                param.fill_(DUMMY_E8M0_SCALE if param.dtype == torch.uint8 else 0.02 / 32)
+            elif param.dtype == torch.uint8:  # packed low-precision codes
+                param.copy_(torch.randint(0, 256, param.shape, device=param.device, generator=generator))
             elif param.dim() == 1:
                 param.fill_(1.0)
             else:
