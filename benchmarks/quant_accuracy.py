@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct GGUF")
     parser.add_argument("--work", type=Path, default=None, help="where the quantized checkpoints go (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--reuse", action="store_true", help="keep a format's checkpoint already written under --work")
     args = parser.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     work = args.work or Path(tempfile.mkdtemp(prefix="quant_accuracy_"))
     source = resolve_model(args.model)
     tokenizer = load_tokenizer(source)
@@ -67,8 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     models = {"reference": load(args.model)}
     for fmt in args.formats:
         started = time.perf_counter()
-        out = quantize_checkpoint(QuantizeRequest(args.model, fmt, work / fmt, calibration_tokens=args.calibration_tokens))
-        print(f"{fmt}: quantized in {time.perf_counter() - started:.1f} s -> {out}", file=sys.stderr)
+        out = work / fmt
+        if not (args.reuse and (out / "config.json").is_file()):
+            quantize_checkpoint(QuantizeRequest(args.model, fmt, out, calibration_tokens=args.calibration_tokens))
+            print(f"{fmt}: quantized in {time.perf_counter() - started:.1f} s -> {out}", file=sys.stderr)
         models[fmt] = load(str(out))
 
     totals = {name: {"nll": 0.0, "kl": 0.0, "agree": 0} for name in models}
