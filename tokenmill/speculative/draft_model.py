@@ -73,6 +73,9 @@ class DraftModel:
         assert ids is not None
         if int(ids.max()) >= self.hf_config.vocab_size:
             raise ConfigError(f"draft_vocab has ids up to {int(ids.max())} beyond the draft's vocabulary")
+        if model.lm_head.weight.dtype in (torch.float8_e4m3fn, torch.uint8):
+            raise ConfigError("draft_vocab cuts the draft's output head, but the draft checkpoint stores that head "
+                              "quantized; quantize the draft with --exclude lm_head (or drop draft_vocab)")
         rows = model.lm_head.weight.detach()[ids].clone()
         model.lm_head = Linear(rows.shape[1], rows.shape[0], bias=False, device=self.device, dtype=rows.dtype,
                                method=self.build.quant.linear_method("lm_head"))
