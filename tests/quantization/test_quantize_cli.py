@@ -175,3 +175,12 @@ def test_mixed_precision_checkpoint_with_mxfp8_experts_beside_a_high_precision_b
         "quantized_layers": layers}}))
     assert len(experts) == 2 * 4 * 3
     assert greedy(mixed) == greedy(dequantized_oracle(directory, "mxfp8", tmp_path / "oracle"))
+
+
+def test_a_draft_vocabulary_over_a_quantized_head_is_refused(checkpoints, tmp_path: Path) -> None:
+    draft = quantized(checkpoints, "llama-tied", "fp8", "--draft")
+    vocab = tmp_path / "ids.txt"
+    vocab.write_text("\n".join(str(i) for i in range(64)))
+    spec = {"method": "draft_model", "model": str(draft), "draft_vocab": str(vocab)}
+    with pytest.raises(ConfigError, match="stores that head quantized; quantize the draft with --exclude lm_head"):
+        LLM(str(checkpoints["llama"]), device="cpu", max_model_len=128, kv_cache_bytes=1 << 22, speculative_config=spec)
