@@ -13,7 +13,7 @@ import tokenmill
 ORDER = ["server", "engine", "speculative", "runner", "sample", "models", "layers", "kv", "quantization", "kernels"]
 # Front ends above every room, and leaves any room may import (the package itself is one: its
 # names load lazily).
-TOP = {"cli", "llm", "bench", "__main__"}
+TOP = {"cli", "llm", "bench", "quantize", "__main__"}
 LEAVES = {"__init__", "config", "errors", "numerics", "transfer", "sampling_params", "outputs", "data"}
 PACKAGE = Path(tokenmill.__file__).parent
 

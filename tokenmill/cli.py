@@ -1,4 +1,4 @@
-"""`tokenmill` command line: serve | generate | bench."""
+"""`tokenmill` command line: serve | generate | bench | draft-vocab | quantize."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 from tokenmill.bench.cli import register as register_bench
 from tokenmill.config import EngineConfig, add_engine_args
 from tokenmill.errors import TokenmillError
+from tokenmill.quantize.cli import register as register_quantize
 from tokenmill.server.serve import register as register_serve
 from tokenmill.speculative.cli import register as register_draft_vocab
 
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(commands)
     register_bench(commands)
     register_draft_vocab(commands)
+    register_quantize(commands)
     return parser
 
 

@@ -114,7 +114,8 @@ class SpeculativeConfig:
     """auto = the draft model's dtype; fp8."""
     quantization: str | None = None
     """fp8: quantize the draft's linear layers (output head too) to FP8 E4M3 weights at load, one
-    scale per output row (weight-only); halves the bytes each draft step reads."""
+    scale per output row (weight-only); halves the bytes each draft step reads. A draft checkpoint
+    that is itself quantized loads in its own format (detected from its config) without this key."""
     prompt_lookup_min: int = 1
     """Shortest suffix n-gram the ngram proposer matches."""
     prompt_lookup_max: int = 4

@@ -21,6 +21,7 @@ os.environ["TRITON_INTERPRET"] = "0"
 
 import torch
 import triton
+from sm90_fp8_variants import fp8_variants  # beside this script
 from sm90_gdn_variants import gdn_variants  # beside this script
 from sm90_moe_variants import moe_variants  # beside this script
 from triton.backends.compiler import GPUTarget
@@ -44,6 +45,7 @@ from tokenmill.kernels.rotary import _rotary_cache_kernel, _rotary_kernel
 from tokenmill.kernels.sparse_attention import _sparse_attention_kernel, plan_sparse
 
 TARGET = GPUTarget("cuda", 90, 32)
+ROW_SCALES = dict(SCALE_ROWS=1, SCALE_COLS=0, E8M0=False)  # a scale per row of W (or none)
 MAX_SHARED = 232448  # bytes of shared memory one sm_90 block may use
 # Kernels that must round every bf16 product as PyTorch does: no fused multiply-add in their code.
 ROUNDED = (_rotary_kernel, _rotary_cache_kernel)
@@ -112,20 +114,20 @@ def other_variants():
         types = {"x_ptr": "*bf16", "w_ptr": f"*{weight}", "scale_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16"}
         yield (f"gemv {n}x{k} {weight} rows={rows} (dependent launch)", _gemv_kernel, types,
                dict(ROWS=rows, HAS_SCALE=weight != "bf16", HAS_BIAS=False, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                    EVEN_K=True, PDL=True), tile.num_warps, tile.num_stages)
+                    EVEN_K=True, PDL=True, **ROW_SCALES), tile.num_warps, tile.num_stages)
     for n, k, weight in ((6144, 4096, "bf16"), (4096, 14336, "bf16"), (3072, 2048, "fp8e4nv"), (16384, 2048, "fp8e4nv")):
         tile = few_row_mma_tile(n, k)
         types = {"x_ptr": "*bf16", "w_ptr": f"*{weight}", "scale_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16"}
         yield (f"few_row_mma {n}x{k} {weight} (dependent launch)", _few_row_mma_kernel, types,
                dict(HAS_SCALE=weight != "bf16", HAS_BIAS=False, BLOCK_M=MMA_ROWS, BLOCK_N=tile.block_n,
-                    BLOCK_K=tile.block_k, EVEN_K=True, UPCAST=False, IEEE=False, PDL=True),
+                    BLOCK_K=tile.block_k, EVEN_K=True, UPCAST=False, IEEE=False, PDL=True, **ROW_SCALES),
                tile.num_warps, tile.num_stages)
     for n in (2048, 16384):
         tile, block_m = many_rows_tile(n)
         yield (f"fp8_linear N={n}, many rows (dependent launch)", _few_row_mma_kernel,
                {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16"},
                dict(HAS_SCALE=True, HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                    EVEN_K=True, UPCAST=False, IEEE=False, PDL=True), tile.num_warps, tile.num_stages)
+                    EVEN_K=True, UPCAST=False, IEEE=False, PDL=True, **ROW_SCALES), tile.num_warps, tile.num_stages)
     yield ("rms_norm+residual 4096", _rms_norm_kernel,
            {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16", "eps": "fp32"},
            dict(BLOCK=4096, HAS_RESIDUAL=True, LAUNCH_NEXT=True), 8, 1)
@@ -239,11 +241,11 @@ def stack_bytes(kernel) -> int | None:
 def main(quick: bool = False) -> int:
     failures = 0
     variants = list(attention_variants()) + list(other_variants()) + list(moe_variants()) + list(mla_variants())
-    variants += list(gdn_variants()) + list(qsa_variants())
+    variants += list(gdn_variants()) + list(qsa_variants()) + list(fp8_variants())
     if quick:  # CI: the Llama-shaped bf16 and fp8 attention, the small and MoE kernels, MLA decode and verification
         variants = [v for v in variants if "H=32/8" in v[0] and v[0].startswith("attention bf16")] + list(other_variants())
         variants += list(moe_variants(quick=True)) + [v for v in mla_variants() if v[0] in QUICK_MLA]
-        variants += list(gdn_variants(quick=True)) + list(qsa_variants())
+        variants += list(gdn_variants(quick=True)) + list(qsa_variants()) + list(fp8_variants(quick=True))
     for label, fn, types, consts, warps, stages in variants:
         try:
             kernel = compile_variant(fn, types, consts, warps, stages)

@@ -84,7 +84,7 @@ def test_path_is_chosen_by_token_count(tokens: int, path: str, monkeypatch: pyte
     taken = []
 
     def stub(name: str):
-        return lambda x, w13, w2, weights, *rest: taken.append(name) or torch.zeros(weights.numel(), x.shape[1])
+        return lambda x, w13, w2, weights, *rest, **options: taken.append(name) or torch.zeros(weights.numel(), x.shape[1])
 
     monkeypatch.setattr(experts_module, "few_row_experts", stub("few_row"))
     monkeypatch.setattr(experts_module, "grouped_experts", stub("grouped"))

@@ -42,7 +42,7 @@ def test_product_equals_the_dequantized_weights() -> None:
 def test_a_weight_wider_than_a_slab_is_dequantized_slab_by_slab(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows beyond DEQUANT_ROWS (and a last, partial slab) give the whole dequantized weight's
     product, bias included, for 2-D and 3-D x."""
-    import tokenmill.quantization.fp8 as linear
+    import tokenmill.quantization.scaled_fp8 as linear
 
     monkeypatch.setattr(linear, "DEQUANT_ROWS", 8)
     torch.manual_seed(3)

@@ -10,8 +10,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-FP8_E4M3_MAX = 448.0
-FP8_DTYPE = torch.float8_e4m3fn
+from tokenmill.numerics import FP8_E4M3 as FP8_DTYPE
+from tokenmill.numerics import FP8_E4M3_MAX
+
+__all__ = ["FP8_DTYPE", "FP8_E4M3_MAX"]
 
 
 def interpreting() -> bool:
@@ -85,3 +87,56 @@ def and_flag(mask, flag):
     """mask & flag for a per-program scalar flag (a loaded boolean or comparison): the
     interpreter refuses a load mask broadcast from a scalar, so spread the flag first."""
     return mask & ((mask.to(tl.int32) * 0 + flag.to(tl.int32)) != 0)
+
+
+@triton.jit
+def e8m0_to_f32(code):
+    """E8M0 codes (uint8) as float32 2^(code - 127), built from the exponent bits (exact; code 0 is
+    the subnormal 2^-127)."""
+    bits = code.to(tl.int32) << 23
+    return tl.where(code == 0, 5.877471754111438e-39, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def block_scales(scale_ptr, offs_n, n_ok, k0, K, stride_sn, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
+                 BLOCK_K: tl.constexpr, E8M0: tl.constexpr):
+    """The float32 scales of a weight strip [BLOCK_N rows offs_n, columns k0 : k0 + BLOCK_K] from a
+    scale grid (row n // SCALE_ROWS, column k // SCALE_COLS, row stride stride_sn): [BLOCK_N] when
+    the strip lies in one column group (SCALE_COLS >= BLOCK_K), else [BLOCK_N, BLOCK_K // SCALE_COLS]."""
+    rows = (offs_n // SCALE_ROWS).to(tl.int64) * stride_sn
+    if SCALE_COLS >= BLOCK_K:
+        s = tl.load(scale_ptr + rows + k0 // SCALE_COLS, mask=n_ok, other=0)
+    else:
+        groups = k0 // SCALE_COLS + tl.arange(0, BLOCK_K // SCALE_COLS)
+        s = tl.load(scale_ptr + rows[:, None] + groups[None, :], mask=n_ok[:, None] & (groups * SCALE_COLS < K)[None, :],
+                    other=0)
+    if E8M0:
+        s = e8m0_to_f32(s)
+    else:
+        s = s.to(tl.float32)
+    return s
+
+
+@triton.jit
+def apply_block_scales(w, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_COLS: tl.constexpr):
+    """w [BLOCK_N, BLOCK_K] (float32) times its block_scales s. (Jitted helpers branch on constexprs
+    with if / else and return once: code after an early return is compiled for every variant.)"""
+    if SCALE_COLS >= BLOCK_K:
+        w = w * s[:, None]
+    else:
+        w3 = tl.reshape(w, (BLOCK_N, BLOCK_K // SCALE_COLS, SCALE_COLS))
+        w = tl.reshape(w3 * s[:, :, None], (BLOCK_N, BLOCK_K))
+    return w
+
+
+def scale_launch(weight: torch.Tensor, weight_scale: torch.Tensor | None, scale_block: tuple[int, int] | None,
+                 block_k: int) -> dict:
+    """The scale constexprs of a weight-streaming launch: SCALE_ROWS, SCALE_COLS (0: one scale per
+    row, applied to the sum; else per strip or per column group, applied to the weight), E8M0; a
+    column group must hold whole strips or whole groups fit in a strip (both powers of two)."""
+    rows, cols = scale_block or (1, 0)
+    if cols and max(cols, block_k) % min(cols, block_k):
+        raise ValueError(f"scale groups of {cols} columns and strips of {block_k} do not nest")
+    stride = weight_scale.stride(-2) if weight_scale is not None and weight_scale.dim() >= 2 else 1
+    return dict(stride_sn=stride, SCALE_ROWS=rows, SCALE_COLS=cols,
+                E8M0=weight_scale is not None and weight_scale.dtype == torch.uint8)

@@ -25,8 +25,17 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from tokenmill.kernels._common import FP8_DTYPE, dependent_launch, interpreting, mm
+from tokenmill.kernels._common import (
+    FP8_DTYPE,
+    apply_block_scales,
+    block_scales,
+    dependent_launch,
+    interpreting,
+    mm,
+    scale_launch,
+)
 from tokenmill.kernels.gemv import GemvTile, check_operands
+from tokenmill.numerics import ScaleBlock
 
 MMA_ROWS = 16  # x's rows padded to the MMA's narrow side; the most one few_row_mma launch takes
 
@@ -62,10 +71,30 @@ def few_row_mma_suits(n: int, k: int) -> bool:
 
 
 @triton.jit
+def scaled_mma(w, xt, acc, scale_ptr, offs_n, n_ok, k0, K, stride_sn, SCALE_ROWS: tl.constexpr,
+               SCALE_COLS: tl.constexpr, E8M0: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """acc + (w [BLOCK_N, BLOCK_K] times its block scales) @ xt, w widened to xt's dtype. A strip in
+    one scale group multiplies first and scales its partial sum (exact for any float32 scale);
+    smaller groups (MX) are scaled in registers before the MMA (exact: powers of two)."""
+    if SCALE_COLS >= BLOCK_K:
+        s = block_scales(scale_ptr, offs_n, n_ok, k0, K, stride_sn, SCALE_ROWS, SCALE_COLS, BLOCK_K, E8M0)
+        acc = acc + mm(w.to(xt.dtype), xt, tl.zeros(acc.shape, tl.float32), UPCAST, IEEE) * s[:, None]
+    elif SCALE_COLS > 0:
+        s = block_scales(scale_ptr, offs_n, n_ok, k0, K, stride_sn, SCALE_ROWS, SCALE_COLS, BLOCK_K, E8M0)
+        w = apply_block_scales(w.to(tl.float32), s, BLOCK_N, BLOCK_K, SCALE_COLS)
+        acc = mm(w.to(xt.dtype), xt, acc, UPCAST, IEEE)
+    else:
+        acc = mm(w.to(xt.dtype), xt, acc, UPCAST, IEEE)
+    return acc
+
+
+@triton.jit
 def _few_row_mma_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_sn,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, E8M0: tl.constexpr,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -85,7 +114,8 @@ def _few_row_mma_kernel(
             k_ok = k0 + offs_k < K
             w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             xt = tl.load(xt_ptrs + k0, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = mm(w.to(xt.dtype), xt, acc, UPCAST, IEEE)
+        acc = scaled_mma(w, xt, acc, scale_ptr, offs_n, n_ok, k0, K, stride_sn, SCALE_ROWS, SCALE_COLS, E8M0,
+                         BLOCK_N, BLOCK_K, UPCAST, IEEE)
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
     if HAS_BIAS:
@@ -101,47 +131,51 @@ def few_row_mma(
     tile: GemvTile | None = None,
     pdl: bool | None = None,
     weight_scale: torch.Tensor | None = None,
+    scale_block: ScaleBlock | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ (weight [N, K] * weight_scale[:, None]).T (+ bias) -> [M, N] in x's dtype, for
-    M <= MMA_ROWS. weight_scale (float32 [N]) is required for FP8 weights and refused otherwise.
-    pdl (default: where the device has it) launches it as a programmatic dependent of the kernel
-    before it."""
-    check_operands("few_row_mma", x, weight, weight_scale, MMA_ROWS)
+    """x [M, K] @ W.T (+ bias) -> [M, N] in x's dtype, for M <= MMA_ROWS, W = weight [N, K] times
+    its scales (float32 [N] per row, or a block grid with scale_block: see gemv). Scales are
+    required for FP8 weights and refused otherwise. pdl (default: where the device has it)
+    launches it as a programmatic dependent of the kernel before it."""
+    check_operands("few_row_mma", x, weight, weight_scale, MMA_ROWS, scale_block)
     if weight_scale is None and weight.dtype != x.dtype:
         raise ValueError(f"weight ({weight.dtype}) and x ({x.dtype}) must share a dtype unless the weight is FP8")
-    return _launch(x, weight, bias, weight_scale, tile or few_row_mma_tile(*weight.shape), MMA_ROWS, pdl)
+    return _launch(x, weight, bias, weight_scale, scale_block, tile or few_row_mma_tile(*weight.shape), MMA_ROWS, pdl)
 
 
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, weight_scale: torch.Tensor,
-    pdl: bool | None = None,
+    scale_block: ScaleBlock | None = None, pdl: bool | None = None, tile: GemvTile | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ (weight [N, K] as FP8 E4M3 * weight_scale[:, None]).T (+ bias) -> [M, N] in x's
-    dtype, for any M: FP8 read straight from the weight, as in few_row_mma."""
+    """x [M, K] @ W.T (+ bias) -> [M, N] in x's dtype, for any M, W = weight [N, K] as FP8 E4M3
+    times its scales (per row, or a block grid with scale_block): FP8 read straight from the
+    weight, as in few_row_mma (weight-only; MX weights' prefill on Hopper)."""
     if weight.dtype != FP8_DTYPE:
         raise ValueError(f"fp8_linear takes an FP8 E4M3 weight, got {weight.dtype}")
-    check_operands("fp8_linear", x, weight, weight_scale, None)
+    check_operands("fp8_linear", x, weight, weight_scale, None, scale_block)
     # The interpreter keeps 16-row tiles for any rows: small blocks run quickly there, and the CPU
     # tests' few dozen rows still cross several row tiles.
-    if x.shape[0] <= MMA_ROWS or interpreting():
-        return _launch(x, weight, bias, weight_scale, few_row_mma_tile(*weight.shape), MMA_ROWS, pdl)
-    return _launch(x, weight, bias, weight_scale, *many_rows_tile(weight.shape[0]), pdl)
+    if tile is not None or x.shape[0] <= MMA_ROWS or interpreting():
+        return _launch(x, weight, bias, weight_scale, scale_block, tile or few_row_mma_tile(*weight.shape), MMA_ROWS,
+                       pdl)
+    return _launch(x, weight, bias, weight_scale, scale_block, *many_rows_tile(weight.shape[0]), pdl)
 
 
 def _launch(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_scale: torch.Tensor | None,
-    tile: GemvTile, block_m: int, pdl: bool | None,
+    scale_block: ScaleBlock | None, tile: GemvTile, block_m: int, pdl: bool | None,
 ) -> torch.Tensor:
     n, k = weight.shape
     rows = x.shape[0]
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     pdl = dependent_launch(x.device) if pdl is None else pdl
+    scaling = scale_launch(weight, weight_scale, scale_block, tile.block_k)
     _few_row_mma_kernel[(triton.cdiv(rows, block_m), triton.cdiv(n, tile.block_n))](
         x, weight, weight_scale if weight_scale is not None else weight, bias if bias is not None else weight, y,
         rows, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, EVEN_K=k % tile.block_k == 0,
+        HAS_SCALE=weight_scale is not None and not scaling["SCALE_COLS"], HAS_BIAS=bias is not None, BLOCK_M=block_m,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=k % tile.block_k == 0,
         UPCAST=interpreting() and x.dtype != torch.float32, IEEE=x.dtype == torch.float32,
-        PDL=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
+        PDL=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl, **scaling,
     )
     return y

@@ -33,7 +33,15 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from tokenmill.kernels._common import FP8_DTYPE, dependent_launch, interpreting
+from tokenmill.kernels._common import (
+    FP8_DTYPE,
+    apply_block_scales,
+    block_scales,
+    dependent_launch,
+    interpreting,
+    scale_launch,
+)
+from tokenmill.numerics import ScaleBlock, dequantize_blocks, scale_grid_shape
 
 MAX_ROWS = 8  # rows of x one launch takes: a separate accumulator each
 
@@ -119,10 +127,23 @@ def _store_row(acc, y_row_ptr, offs_n, n_ok, scale, bias, HAS_SCALE: tl.constexp
 
 
 @triton.jit
+def _scaled_strip(w_ptrs, scale_ptr, offs_n, n_ok, k0, offs_k, K, stride_sn, EVEN_K: tl.constexpr,
+                  SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, E8M0: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """The strip of W at k0 in float32, times its block scales when the weight has them."""
+    w = _w_strip(w_ptrs, k0, offs_k, n_ok, K, EVEN_K).to(tl.float32)
+    if SCALE_COLS > 0:
+        s = block_scales(scale_ptr, offs_n, n_ok, k0, K, stride_sn, SCALE_ROWS, SCALE_COLS, BLOCK_K, E8M0)
+        w = apply_block_scales(w, s, BLOCK_N, BLOCK_K, SCALE_COLS)
+    return w
+
+
+@triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
+    x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym, stride_sn,
     ROWS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, SCALE_ROWS: tl.constexpr,
+    SCALE_COLS: tl.constexpr, E8M0: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -135,13 +156,15 @@ def _gemv_kernel(
         # Launched while the kernel before it (a norm, attention, SiLU) still runs: W never
         # depends on it, so the first strip of W is read now, x only after gdc_wait (reading more
         # strips early was slower: benchmarks/RESULTS.md).
-        w = _w_strip(w_ptrs, 0, offs_k, n_ok, K, EVEN_K).to(tl.float32)
+        w = _scaled_strip(w_ptrs, scale_ptr, offs_n, n_ok, 0, offs_k, K, stride_sn, EVEN_K, SCALE_ROWS, SCALE_COLS,
+                          E8M0, BLOCK_N, BLOCK_K)
         gdc_wait()
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _accumulate_rows(
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, x_ptr, stride_xm, 0, offs_k, K, EVEN_K, ROWS)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
-        w = _w_strip(w_ptrs, k0, offs_k, n_ok, K, EVEN_K).to(tl.float32)
+        w = _scaled_strip(w_ptrs, scale_ptr, offs_n, n_ok, k0, offs_k, K, stride_sn, EVEN_K, SCALE_ROWS, SCALE_COLS,
+                          E8M0, BLOCK_N, BLOCK_K)
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _accumulate_rows(
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, x_ptr, stride_xm, k0, offs_k, K, EVEN_K, ROWS)
     scale = tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0) if HAS_SCALE else 1.0
@@ -163,33 +186,37 @@ def gemv(
     tile: GemvTile | None = None,
     pdl: bool | None = None,
     weight_scale: torch.Tensor | None = None,
+    scale_block: ScaleBlock | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ (weight [N, K] * weight_scale[:, None]).T (+ bias) -> [M, N] in x's dtype, for
-    M <= MAX_ROWS. weight_scale (float32 [N]) is required for FP8 weights and refused otherwise.
-    pdl (default: where the device has it) launches it as a programmatic dependent of the kernel
-    before it."""
-    check_operands("gemv", x, weight, weight_scale, MAX_ROWS)
+    """x [M, K] @ W.T (+ bias) -> [M, N] in x's dtype, for M <= MAX_ROWS, W = weight [N, K] times
+    its scales: weight_scale float32 [N] (one per row), or with scale_block (r, c) a grid
+    [ceil(N / r), ceil(K / c)] of float32 or E8M0 codes (uint8) (`numerics.dequantize_blocks`).
+    Scales are required for FP8 weights and refused otherwise. pdl (default: where the device has
+    it) launches it as a programmatic dependent of the kernel before it."""
+    check_operands("gemv", x, weight, weight_scale, MAX_ROWS, scale_block)
     n, k = weight.shape
     rows = x.shape[0]
     tile = tile or gemv_tile(n, k, rows, weight.dtype == FP8_DTYPE)
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     pdl = dependent_launch(x.device) if pdl is None else pdl
+    scaling = scale_launch(weight, weight_scale, scale_block, tile.block_k)
     _gemv_kernel[(triton.cdiv(n, tile.block_n),)](
         x, weight, weight_scale if weight_scale is not None else weight, bias if bias is not None else weight, y,
         n, k, x.stride(0), weight.stride(0), y.stride(0),
-        ROWS=rows, HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, EVEN_K=k % tile.block_k == 0,
-        PDL=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
+        ROWS=rows, HAS_SCALE=weight_scale is not None and not scaling["SCALE_COLS"], HAS_BIAS=bias is not None,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=k % tile.block_k == 0,
+        PDL=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl, **scaling,
     )
     return y
 
 
 def check_operands(
-    kernel: str, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, max_rows: int | None
+    kernel: str, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, max_rows: int | None,
+    scale_block: ScaleBlock | None = None,
 ) -> None:
     """Refuse what a weight-streaming kernel cannot take: x other than [M <= max_rows (None: any
-    M >= 1), K] or not row-major, a weight not row-major, an FP8 weight without its float32 row
-    scales or a scale without one."""
+    M >= 1), K] or not row-major, a weight not row-major, an FP8 weight without its scales (float32
+    per row, or a block grid) or a scale without one."""
     n, k = weight.shape
     rows_ok = x.dim() == 2 and x.shape[0] >= 1 and (max_rows is None or x.shape[0] <= max_rows)
     if not rows_ok or x.shape[1] != k or weight.stride(1) != 1 or x.stride(1) != 1:
@@ -198,13 +225,29 @@ def check_operands(
                          f"got {tuple(x.shape)}, {tuple(weight.shape)}")
     if (weight.dtype == FP8_DTYPE) != (weight_scale is not None):
         raise ValueError("FP8 weights need a float32 weight_scale per output row, and only FP8 weights take one")
-    if weight_scale is not None and (weight_scale.shape != (n,) or weight_scale.dtype != torch.float32):
-        raise ValueError(f"weight_scale must be float32 [{n}], got {weight_scale.dtype} {tuple(weight_scale.shape)}")
+    if weight_scale is None:
+        return
+    if scale_block is None:
+        if weight_scale.shape != (n,) or weight_scale.dtype != torch.float32:
+            raise ValueError(f"weight_scale must be float32 [{n}], got {weight_scale.dtype} {tuple(weight_scale.shape)}")
+        return
+    grid = scale_grid_shape(n, k, scale_block)
+    e8m0_ok = weight_scale.dtype == torch.uint8 and scale_block[1] > 0
+    if tuple(weight_scale.shape) != grid or not (weight_scale.dtype == torch.float32 or e8m0_ok) \
+            or weight_scale.stride(-1) != 1:
+        raise ValueError(f"block scales {scale_block} of a [{n}, {k}] weight must be a row-major float32 (or E8M0 "
+                         f"uint8) grid {grid}, got {weight_scale.dtype} {tuple(weight_scale.shape)}")
 
 
 def gemv_ref(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
+    scale_block: ScaleBlock | None = None,
 ) -> torch.Tensor:
     """The same product in float32 by torch (FP8 weights dequantized first)."""
-    w = weight.float() if weight_scale is None else weight.float() * weight_scale[:, None]
+    if weight_scale is None:
+        w = weight.float()
+    elif scale_block is None:
+        w = weight.float() * weight_scale[:, None]
+    else:
+        w = dequantize_blocks(weight, weight_scale, scale_block)
     return torch.nn.functional.linear(x.float(), w, None if bias is None else bias.float())

@@ -175,6 +175,32 @@ def iter_weights(source: CheckpointSource) -> Iterator[tuple[str, torch.Tensor]]
             ) from e
 
 
+def checkpoint_tensor_dtypes(source: CheckpointSource) -> dict[str, str] | None:
+    """Every tensor of a safetensors checkpoint and its stored dtype ("F8_E4M3", "BF16", ...), read
+    from the file headers only (None for GGUF)."""
+    if source.gguf_file is not None:
+        return None
+    dtypes: dict[str, str] = {}
+    for file in safetensors_files(source.path):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                dtypes.update((name, f.get_slice(name).get_dtype()) for name in f.keys())
+        except Exception as e:
+            raise ModelLoadError(f"{file}: corrupt or truncated safetensors file ({e}); download it again") from e
+    return dtypes
+
+
+def load_hf_quant_config(source: CheckpointSource) -> dict | None:
+    """hf_quant_config.json beside the checkpoint (ModelOpt's export), or None."""
+    path = source.path / "hf_quant_config.json"
+    if source.gguf_file is not None or not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: unreadable ({e})") from e
+
+
 def safetensors_files(path: Path) -> list[Path]:
     """The weight files of an HF directory: the shards named by the index, else every *.safetensors."""
     index = path / _SHARD_INDEX

@@ -41,7 +41,7 @@ class CheckpointLoader:
         self.model = model
         self.params = dict(model.named_parameters())
         self.skip = skip
-        self.keys = sorted(((tuple(key.split(".")), value) for key, value in packed.items()), key=lambda kv: -len(kv[0]))
+        self.names = PackedNames(packed)
         self.loaded: set[tuple[str, Shard]] = set()
         self.kv_scales = CheckpointKVScales()
 
@@ -70,6 +70,17 @@ class CheckpointLoader:
             raise ModelLoadError(f"the checkpoint lacks {len(missing)} tensors of {type(self.model).__name__}, "
                                  f"e.g. {missing[:3]}")
         self.kv_scales.apply(self.model)
+
+    def locate(self, name: str) -> tuple[str, Shard]:
+        """(model parameter, shard) of a checkpoint tensor."""
+        return self.names.locate(name)
+
+
+class PackedNames:
+    """A model's packed names (see the module docstring): where each checkpoint tensor goes."""
+
+    def __init__(self, packed: PackedModules) -> None:
+        self.keys = sorted(((tuple(key.split(".")), value) for key, value in packed.items()), key=lambda kv: -len(kv[0]))
 
     def locate(self, name: str) -> tuple[str, Shard]:
         """(model parameter, shard) of a checkpoint tensor."""
@@ -115,6 +126,19 @@ def load_checkpoint(
     for name, tensor in weights:
         loader.load(name, tensor)
     loader.finish()
+
+
+def modules_by_target(model: type[nn.Module] | nn.Module, tensor_names: Iterable[str]) -> dict[str, list[str]]:
+    """Model module path -> the checkpoint modules (a `.weight` tensor's name without it) that load
+    into it, through the model's packed names: which checkpoint layers a fused or stacked model
+    layer is made of, as a quantized checkpoint's config names them."""
+    names = PackedNames(getattr(model, "packed", {}))
+    found: dict[str, list[str]] = {}
+    for name in tensor_names:
+        if name.endswith(".weight"):
+            target = names.locate(name)[0].rsplit(".", 1)[0]
+            found.setdefault(target, []).append(name.removesuffix(".weight"))
+    return found
 
 
 def _label(target: str, shard: Shard) -> str:

@@ -9,16 +9,12 @@ past them); elsewhere the weight is widened for the call a slab of rows at a tim
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.numerics import FP8_E4M3, FP8_E4M3_MAX
 from tokenmill.quantization.base import LinearLayer, LinearMethod, QuantizationConfig
+from tokenmill.quantization.scaled_fp8 import dequantized_linear
 from tokenmill.quantization.unquantized import Unquantized, UnquantizedLinearMethod
-
-DEQUANT_ROWS = 4096
-"""Rows of an FP8 weight widened at once where no kernel reads it (a CPU): a slab of 4096 x K
-float32, never a whole float32 copy of a head (a transient the start-up memory profile never saw)."""
 
 
 def fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,22 +47,12 @@ class Fp8RowLinearMethod(UnquantizedLinearMethod):
             if x.shape[0] <= MAX_ROWS:
                 return gemv(x, layer.weight, layer.bias, weight_scale=layer.weight_scale)
             return fp8_linear(x, layer.weight, layer.bias, weight_scale=layer.weight_scale)
-        return _dequantized_linear(layer, x)
+        return dequantized_linear(x, layer.weight, layer.weight_scale[:, None], (1, 0), layer.bias)
 
     def dequantized_weight(self, layer: LinearLayer) -> torch.Tensor:
         if layer.weight.dtype != FP8_E4M3:
             return layer.weight.float()
         return layer.weight.float() * layer.weight_scale[:, None]
-
-
-def _dequantized_linear(layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
-    """x @ W.T for an FP8 weight, dequantized DEQUANT_ROWS rows at a time."""
-    out = torch.empty(*x.shape[:-1], layer.out_features, dtype=x.dtype, device=x.device)
-    for start in range(0, layer.out_features, DEQUANT_ROWS):
-        rows = slice(start, start + DEQUANT_ROWS)
-        weight = (layer.weight[rows].float() * layer.weight_scale[rows, None]).to(x.dtype)
-        out[..., rows] = F.linear(x, weight, None if layer.bias is None else layer.bias[rows])
-    return out
 
 
 class Fp8OnLoad(Unquantized):

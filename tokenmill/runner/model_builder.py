@@ -6,13 +6,24 @@ quantization methods finish, evaluation mode. `model_weight_bytes` sizes a model
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable
 
 import torch
+from transformers import PretrainedConfig
 
 from tokenmill.models.interface import CausalLM, ModelBuild
-from tokenmill.models.loader import CheckpointSource, iter_weights
+from tokenmill.models.loader import CheckpointSource, checkpoint_tensor_dtypes, iter_weights, load_hf_quant_config
 from tokenmill.models.registry import model_class
+from tokenmill.models.weights import modules_by_target
+from tokenmill.numerics import FP8_E4M3, FP8_E4M3_MAX
+from tokenmill.quantization.checkpoint import CheckpointQuantization
+from tokenmill.quantization.detect import read_quant_spec
+
+logger = logging.getLogger(__name__)
+
+HIGH_PRECISION = ("F32", "BF16", "F16", "F64")
+DUMMY_E8M0_SCALE = 127 - 11  # 2^-11, about 0.02 / 32
 
 
 def build_model(
@@ -31,6 +42,31 @@ def build_model(
         before_processing(model)
     model.process_weights_after_loading()
     return model.eval()
+
+
+def checkpoint_quantization(
+    hf_config: PretrainedConfig, source: CheckpointSource, use_triton: bool, read_weights: bool = True
+) -> CheckpointQuantization | None:
+    """The quantization a checkpoint's config describes (None: unquantized), its layers named
+    through the model's packed names from the checkpoint's tensor names, a layer whose weight the
+    checkpoint stores in high precision left unquantized (DeepSeek's routers, which its config does
+    not list); read_weights=False (random weights): from the model's own names, a tied output head
+    left unquantized."""
+    spec = read_quant_spec(getattr(hf_config, "quantization_config", None), load_hf_quant_config(source))
+    if spec is None:
+        return None
+    dtypes = checkpoint_tensor_dtypes(source) if read_weights else None
+    table = modules_by_target(model_class(hf_config), dtypes) if dtypes is not None else None
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+
+    def checkpoint_names(prefix: str) -> list[str]:
+        if table is not None and dtypes is not None:
+            return [name for name in table.get(prefix, []) if dtypes.get(f"{name}.weight") not in HIGH_PRECISION]
+        return [] if tied and prefix == "lm_head" else [prefix]
+
+    quant = CheckpointQuantization(spec, use_triton, checkpoint_names)
+    logger.info("quantized checkpoint: %s (from %s)", quant.name, spec.where)
+    return quant
 
 
 def model_weight_bytes(build: ModelBuild, dtype: torch.dtype) -> int:
@@ -53,12 +89,20 @@ def _construct(build: ModelBuild, dtype: torch.dtype, device: torch.device) -> C
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
-    """Seeded random weights of realistic scale: N(0, 0.02) matrices, unit norms, zero biases."""
+    """Seeded random weights of realistic scale: N(0, 0.02) matrices, unit norms, zero biases; a
+    quantized layer's codes spread over its format's range and scales that bring them to ~0.02."""
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias"):
                 param.zero_()
+            elif param.dtype == FP8_E4M3:  # codes of about N(0, 32): scale 0.02 / 32
+                values = torch.empty(param.shape, device=param.device).normal_(0.0, 32.0, generator=generator)
+                param.copy_(values.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_E4M3))
+            elif "scale" in name.rsplit(".", 1)[-1]:
+                param.fill_(DUMMY_E8M0_SCALE if param.dtype == torch.uint8 else 0.02 / 32)
+            elif param.dtype == torch.uint8:  # packed low-precision codes
+                param.copy_(torch.randint(0, 256, param.shape, device=param.device, generator=generator))
             elif param.dim() == 1:
                 param.fill_(1.0)
             else:

@@ -30,7 +30,7 @@ from tokenmill.quantization import Fp8OnLoad
 from tokenmill.runner.batch import Chunk, flat_block_tables, pack_context, slot_of
 from tokenmill.runner.cuda_graphs import StepGraphs
 from tokenmill.runner.memory import check_weights_fit
-from tokenmill.runner.model_builder import build_model, model_weight_bytes
+from tokenmill.runner.model_builder import build_model, checkpoint_quantization, model_weight_bytes
 from tokenmill.runner.model_runner import ModelRunner, StepOutput
 from tokenmill.sample.sampler import SamplingMetadata, SamplingRow, processed_probs, row_argmax
 from tokenmill.speculative.draft_vocab import load_draft_vocab
@@ -53,8 +53,14 @@ class DraftModel:
         self.hf_config = load_hf_config(source)
         self.backend = ATTENTION_BACKENDS[config.cache.attention_backend]()
         use_triton = self.device.type == "cuda"
+        quantization = checkpoint_quantization(self.hf_config, source, use_triton, read_weights=not dummy)
+        if quantization is not None and spec.quantization:
+            raise ConfigError(f"the draft checkpoint is already quantized ({quantization.name}); drop "
+                              f"\"quantization\": \"{spec.quantization}\" from --speculative-config")
+        if spec.quantization == "fp8":
+            quantization = Fp8OnLoad(use_triton)
         self.build = ModelBuild(self.hf_config, self.backend, config.model.max_model_len, self.block_size, self.kv_dtype,
-                                use_triton, Fp8OnLoad(use_triton) if spec.quantization == "fp8" else None)
+                                use_triton, quantization)
         self.vocab_ids = load_draft_vocab(spec.draft_vocab).to(self.device) if spec.draft_vocab else None
         check_weights_fit(model_weight_bytes(self.build, self.dtype), config, self.device, "the draft model")
         self.model = build_model(self.build, source, dtype=self.dtype, device=self.device,
@@ -70,6 +76,9 @@ class DraftModel:
         assert ids is not None
         if int(ids.max()) >= self.hf_config.vocab_size:
             raise ConfigError(f"draft_vocab has ids up to {int(ids.max())} beyond the draft's vocabulary")
+        if model.lm_head.weight.dtype in (torch.float8_e4m3fn, torch.uint8):
+            raise ConfigError("draft_vocab cuts the draft's output head, but the draft checkpoint stores that head "
+                              "quantized; quantize the draft with --exclude lm_head (or drop draft_vocab)")
         rows = model.lm_head.weight.detach()[ids].clone()
         model.lm_head = Linear(rows.shape[1], rows.shape[0], bias=False, device=self.device, dtype=rows.dtype,
                                method=self.build.quant.linear_method("lm_head"))

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.kernels._common import FP8_DTYPE
 from tokenmill.kernels.moe.align import align_slots
 from tokenmill.kernels.moe.combine import combine
 from tokenmill.kernels.moe.few_row import FEW_ROWS, few_row_experts
 from tokenmill.kernels.moe.grouped_gemm import grouped_experts, grouped_tiles
+from tokenmill.kernels.moe.scales import ExpertScales
+
+__all__ = ["ExpertScales", "fused_experts", "uses_few_row_path"]
 
 
 def uses_few_row_path(num_tokens: int) -> bool:
@@ -34,11 +38,12 @@ def fused_experts(
     topk_ids: torch.Tensor,
     addend: torch.Tensor | None = None,
     addend_gate: torch.Tensor | None = None,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; topk_weights float32
     [T, k]; topk_ids int32 [T, k]; addend [T, H] added to the result, times sigmoid(addend_gate
-    [T, 1]) if given. Returns [T, H] in x's dtype."""
-    check_experts_operands(x, w13, w2, topk_weights, topk_ids)
+    [T, 1]) if given; FP8 E4M3 weights with their `scales`. Returns [T, H] in x's dtype."""
+    check_experts_operands(x, w13, w2, topk_weights, topk_ids, scales)
     num_tokens, top_k = topk_ids.shape
     x = x.contiguous()
     topk_weights = topk_weights.contiguous()
@@ -46,16 +51,17 @@ def fused_experts(
     if num_tokens == 0:
         return torch.empty_like(x)
     if uses_few_row_path(num_tokens):
-        slot_out = few_row_experts(x, w13, w2, topk_weights, topk_ids)
+        slot_out = few_row_experts(x, w13, w2, topk_weights, topk_ids, scales=scales)
     else:
         tiles = grouped_tiles(topk_ids.numel(), w13.shape[0])
         layout = align_slots(topk_ids, w13.shape[0], tiles[0].block_m)
-        slot_out = grouped_experts(x, w13, w2, topk_weights, layout, top_k, tiles)
+        slot_out = grouped_experts(x, w13, w2, topk_weights, layout, top_k, tiles, scales)
     return combine(slot_out, top_k, addend, addend_gate)
 
 
 def check_experts_operands(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    scales: ExpertScales | None = None,
 ) -> None:
     if w13.dim() != 3 or w2.dim() != 3 or w13.shape[1] % 2:
         raise ValueError(f"w13 must be [E, 2I, H] and w2 [E, H, I]; got {tuple(w13.shape)}, {tuple(w2.shape)}")
@@ -65,7 +71,10 @@ def check_experts_operands(
                          f"got {tuple(w2.shape)}")
     if w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("expert weights must be row-major in their last dimension")
-    if x.dim() != 2 or x.shape[1] != hidden or x.dtype != w13.dtype or w2.dtype != w13.dtype:
+    if (scales is not None) != (w13.dtype == FP8_DTYPE) or w2.dtype != w13.dtype:
+        raise ValueError(f"FP8 expert weights need their scales, and only they take scales (w13 {w13.dtype}, w2 {w2.dtype})")
+    weight_dtype = x.dtype if scales is not None else w13.dtype
+    if x.dim() != 2 or x.shape[1] != hidden or x.dtype != weight_dtype:
         raise ValueError(f"x must be [T, {hidden}] in the weights' dtype {w13.dtype}, got {tuple(x.shape)} {x.dtype}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_ids.dtype != torch.int32:
         raise ValueError(f"topk_ids must be int32 [{x.shape[0]}, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}")

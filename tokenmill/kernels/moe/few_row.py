@@ -23,8 +23,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from tokenmill.kernels._common import dependent_launch, interpreting, launch_next, mm, next_pow2
+from tokenmill.kernels._common import dependent_launch, interpreting, launch_next, next_pow2
+from tokenmill.kernels.few_row_mma import scaled_mma
 from tokenmill.kernels.gemv import GemvTile
+from tokenmill.kernels.moe.scales import ExpertScales, row_scales, scale_args
 
 FEW_ROWS = 16  # rows one program multiplies (the MMA's narrow side): tokens of a few-row call at most
 
@@ -59,9 +61,11 @@ def _expert_rows(ids_ptr, slot, num_slots, TOP_K: tl.constexpr, BLOCK_S: tl.cons
 
 @triton.jit
 def _few_row_gate_up_kernel(
-    x_ptr, w_ptr, ids_ptr, act_ptr, num_slots, hidden, inter, stride_xt, stride_we, stride_wn, stride_as,
+    x_ptr, w_ptr, ids_ptr, act_ptr, s_ptr, num_slots, hidden, inter, stride_xt, stride_we, stride_wn, stride_as,
+    stride_se, stride_sn,
     TOP_K: tl.constexpr, BLOCK_S: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, LAUNCH_NEXT: tl.constexpr,
+    HAS_SCALE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, E8M0: tl.constexpr,
 ):
     launch_next(LAUNCH_NEXT)
     expert, leads, slots, row_ok = _expert_rows(ids_ptr, tl.program_id(0), num_slots, TOP_K, BLOCK_S, ROWS)
@@ -73,6 +77,7 @@ def _few_row_gate_up_kernel(
     gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     up_ptrs = gate_ptrs + inter * stride_wn
     xt_ptrs = x_ptr + (slots // TOP_K)[None, :].to(tl.int64) * stride_xt + offs_k[:, None]  # x^T: [BLOCK_K, ROWS]
+    s_base = s_ptr + expert.to(tl.int64) * stride_se
     gate = tl.zeros([BLOCK_N, ROWS], tl.float32)
     up = tl.zeros([BLOCK_N, ROWS], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -85,8 +90,13 @@ def _few_row_gate_up_kernel(
             wg = tl.load(gate_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             wu = tl.load(up_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             xt = tl.load(xt_ptrs + k0, mask=row_ok[None, :] & k_ok[:, None], other=0.0)
-        gate = mm(wg, xt, gate, UPCAST, IEEE)
-        up = mm(wu, xt, up, UPCAST, IEEE)
+        gate = scaled_mma(wg, xt, gate, s_base, offs_n, n_ok, k0, hidden, stride_sn, SCALE_ROWS, SCALE_COLS, E8M0,
+                          BLOCK_N, BLOCK_K, UPCAST, IEEE)
+        up = scaled_mma(wu, xt, up, s_base, offs_n + inter, n_ok, k0, hidden, stride_sn, SCALE_ROWS, SCALE_COLS, E8M0,
+                        BLOCK_N, BLOCK_K, UPCAST, IEEE)
+    if HAS_SCALE:
+        gate = gate * row_scales(s_base, offs_n, n_ok, stride_sn)[:, None]
+        up = up * row_scales(s_base, offs_n + inter, n_ok, stride_sn)[:, None]
     act = gate / (1.0 + tl.exp(-gate)) * up
     act_ptrs = act_ptr + slots[None, :].to(tl.int64) * stride_as + offs_n[:, None]
     tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_ok[:, None] & row_ok[None, :])
@@ -94,10 +104,11 @@ def _few_row_gate_up_kernel(
 
 @triton.jit
 def _few_row_down_kernel(
-    act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, num_slots, hidden, inter, stride_as, stride_we, stride_wn,
-    stride_os,
+    act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, s_ptr, num_slots, hidden, inter, stride_as, stride_we, stride_wn,
+    stride_os, stride_se, stride_sn,
     TOP_K: tl.constexpr, BLOCK_S: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    HAS_SCALE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, E8M0: tl.constexpr,
 ):
     expert, leads, slots, row_ok = _expert_rows(ids_ptr, tl.program_id(0), num_slots, TOP_K, BLOCK_S, ROWS)
     if not leads:  # writes nothing, so it need not wait for gate-up
@@ -107,6 +118,7 @@ def _few_row_down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     at_ptrs = act_ptr + slots[None, :].to(tl.int64) * stride_as + offs_k[:, None]  # act^T: [BLOCK_K, ROWS]
+    s_base = s_ptr + expert.to(tl.int64) * stride_se
     acc = tl.zeros([BLOCK_N, ROWS], tl.float32)
     k_start = 0
     if PDL:
@@ -117,7 +129,8 @@ def _few_row_down_kernel(
             w = tl.load(w_ptrs, mask=n_ok[:, None] & (offs_k < inter)[None, :], other=0.0)
         gdc_wait()
         at = tl.load(at_ptrs, mask=row_ok[None, :] & (offs_k < inter)[:, None], other=0.0)
-        acc = mm(w, at, acc, UPCAST, IEEE)
+        acc = scaled_mma(w, at, acc, s_base, offs_n, n_ok, 0, inter, stride_sn, SCALE_ROWS, SCALE_COLS, E8M0,
+                         BLOCK_N, BLOCK_K, UPCAST, IEEE)
         k_start = BLOCK_K
     for k0 in range(k_start, inter, BLOCK_K):
         if EVEN_K:
@@ -127,7 +140,10 @@ def _few_row_down_kernel(
             k_ok = k0 + offs_k < inter
             w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             at = tl.load(at_ptrs + k0, mask=row_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = mm(w, at, acc, UPCAST, IEEE)
+        acc = scaled_mma(w, at, acc, s_base, offs_n, n_ok, k0, inter, stride_sn, SCALE_ROWS, SCALE_COLS, E8M0,
+                         BLOCK_N, BLOCK_K, UPCAST, IEEE)
+    if HAS_SCALE:
+        acc = acc * row_scales(s_base, offs_n, n_ok, stride_sn)[:, None]
     acc = acc * tl.load(weights_ptr + slots, mask=row_ok, other=0.0)[None, :]
     out_ptrs = out_ptr + slots[None, :].to(tl.int64) * stride_os + offs_n[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & row_ok[None, :])
@@ -141,10 +157,11 @@ def few_row_experts(
     topk_ids: torch.Tensor,
     tiles: tuple[GemvTile, GemvTile] | None = None,
     pdl: bool | None = None,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """slot_out [T * k, H] for T <= FEW_ROWS tokens: each slot's expert output times its routing
-    weight, in x's dtype. pdl (default: where the device has it) launches down as a programmatic
-    dependent of gate-up."""
+    weight, in x's dtype; FP8 weights with their `scales`. pdl (default: where the device has it)
+    launches down as a programmatic dependent of gate-up."""
     num_tokens, top_k = topk_ids.shape
     if num_tokens > FEW_ROWS:
         raise ValueError(f"few_row_experts takes at most {FEW_ROWS} tokens, got {num_tokens}")
@@ -158,16 +175,18 @@ def few_row_experts(
     common = dict(TOP_K=top_k, BLOCK_S=next_pow2(num_slots), ROWS=FEW_ROWS,
                   UPCAST=interpreting() and x.dtype != torch.float32, IEEE=x.dtype == torch.float32)
     t = gate_up_tile
+    s13, scaling13 = scale_args(scales, 0, w13, t.block_k)
     _few_row_gate_up_kernel[(num_slots, triton.cdiv(inter, t.block_n))](
-        x, w13, topk_ids, act, num_slots, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        x, w13, topk_ids, act, s13, num_slots, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         BLOCK_N=t.block_n, BLOCK_K=t.block_k, EVEN_K=hidden % t.block_k == 0, LAUNCH_NEXT=pdl,
-        num_warps=t.num_warps, num_stages=t.num_stages, **common,
+        num_warps=t.num_warps, num_stages=t.num_stages, **common, **scaling13,
     )
     t = down_tile
+    s2, scaling2 = scale_args(scales, 1, w2, t.block_k)
     _few_row_down_kernel[(num_slots, triton.cdiv(hidden, t.block_n))](
-        act, w2, topk_ids, topk_weights, slot_out, num_slots, hidden, inter, act.stride(0), w2.stride(0),
+        act, w2, topk_ids, topk_weights, slot_out, s2, num_slots, hidden, inter, act.stride(0), w2.stride(0),
         w2.stride(1), slot_out.stride(0),
         BLOCK_N=t.block_n, BLOCK_K=t.block_k, EVEN_K=inter % t.block_k == 0, PDL=pdl,
-        num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=pdl, **common,
+        num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=pdl, **common, **scaling2,
     )
     return slot_out

@@ -22,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels._common import interpreting, mm, next_pow2
+from tokenmill.kernels._common import apply_block_scales, block_scales, interpreting, mm, next_pow2
 from tokenmill.kernels.moe.align import SlotLayout
+from tokenmill.kernels.moe.scales import ExpertScales, row_scales, scale_args
 
 
 @dataclass(frozen=True)
@@ -70,11 +71,30 @@ def _block_rows(starts_ptr, counts_ptr, sorted_ptr, num_experts, pid_m, BLOCK_M:
 
 
 @triton.jit
+def _scaled_mm_kn(x, w, acc, s_base, offs_n, n_ok, k0, K, stride_sn, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
+                  E8M0: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                  IEEE: tl.constexpr):
+    """acc + x @ (w [BLOCK_K, BLOCK_N] times its block scales), w widened to x's dtype: a strip in
+    one scale group scales its partial product; MX groups scale w in registers (few_row_mma.scaled_mma)."""
+    if SCALE_COLS >= BLOCK_K:
+        s = block_scales(s_base, offs_n, n_ok, k0, K, stride_sn, SCALE_ROWS, SCALE_COLS, BLOCK_K, E8M0)
+        acc = acc + mm(x, w.to(x.dtype), tl.zeros(acc.shape, tl.float32), UPCAST, IEEE) * s[None, :]
+    elif SCALE_COLS > 0:
+        s = block_scales(s_base, offs_n, n_ok, k0, K, stride_sn, SCALE_ROWS, SCALE_COLS, BLOCK_K, E8M0)
+        w = tl.trans(apply_block_scales(tl.trans(w.to(tl.float32)), s, BLOCK_N, BLOCK_K, SCALE_COLS))
+        acc = mm(x, w.to(x.dtype), acc, UPCAST, IEEE)
+    else:
+        acc = mm(x, w.to(x.dtype), acc, UPCAST, IEEE)
+    return acc
+
+
+@triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, act_ptr, starts_ptr, counts_ptr, sorted_ptr, num_experts, max_blocks, hidden, inter,
-    stride_xt, stride_we, stride_wn, stride_ap,
+    x_ptr, w_ptr, act_ptr, starts_ptr, counts_ptr, sorted_ptr, s_ptr, num_experts, max_blocks, hidden, inter,
+    stride_xt, stride_we, stride_wn, stride_ap, stride_se, stride_sn,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    HAS_SCALE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, E8M0: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_m = pid % max_blocks
@@ -90,6 +110,7 @@ def _gate_up_kernel(
     x_ptrs = x_ptr + tokens[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
     gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     up_ptrs = gate_ptrs + inter * stride_wn
+    s_base = s_ptr + expert.to(tl.int64) * stride_se
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -102,8 +123,13 @@ def _gate_up_kernel(
             x = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             wg = tl.load(gate_ptrs + k0, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             wu = tl.load(up_ptrs + k0, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        gate = mm(x, wg, gate, UPCAST, IEEE)
-        up = mm(x, wu, up, UPCAST, IEEE)
+        gate = _scaled_mm_kn(x, wg, gate, s_base, offs_n, n_ok, k0, hidden, stride_sn, SCALE_ROWS, SCALE_COLS, E8M0,
+                             BLOCK_N, BLOCK_K, UPCAST, IEEE)
+        up = _scaled_mm_kn(x, wu, up, s_base, offs_n + inter, n_ok, k0, hidden, stride_sn, SCALE_ROWS, SCALE_COLS,
+                           E8M0, BLOCK_N, BLOCK_K, UPCAST, IEEE)
+    if HAS_SCALE:
+        gate = gate * row_scales(s_base, offs_n, n_ok, stride_sn)[None, :]
+        up = up * row_scales(s_base, offs_n + inter, n_ok, stride_sn)[None, :]
     act = gate / (1.0 + tl.exp(-gate)) * up
     act_ptrs = act_ptr + positions[:, None].to(tl.int64) * stride_ap + offs_n[None, :]
     tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
@@ -111,10 +137,11 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, w_ptr, weights_ptr, out_ptr, starts_ptr, counts_ptr, sorted_ptr, num_experts, max_blocks, hidden,
-    inter, stride_ap, stride_we, stride_wn, stride_os,
+    act_ptr, w_ptr, weights_ptr, out_ptr, starts_ptr, counts_ptr, sorted_ptr, s_ptr, num_experts, max_blocks, hidden,
+    inter, stride_ap, stride_we, stride_wn, stride_os, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    HAS_SCALE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, E8M0: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_m = pid % max_blocks
@@ -128,6 +155,7 @@ def _down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + positions[:, None].to(tl.int64) * stride_ap + offs_k[None, :]
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    s_base = s_ptr + expert.to(tl.int64) * stride_se
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         if EVEN_K:
@@ -137,7 +165,10 @@ def _down_kernel(
             k_ok = k0 + offs_k < inter
             a = tl.load(a_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs + k0, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = mm(a, w, acc, UPCAST, IEEE)
+        acc = _scaled_mm_kn(a, w, acc, s_base, offs_n, n_ok, k0, inter, stride_sn, SCALE_ROWS, SCALE_COLS, E8M0,
+                            BLOCK_N, BLOCK_K, UPCAST, IEEE)
+    if HAS_SCALE:
+        acc = acc * row_scales(s_base, offs_n, n_ok, stride_sn)[None, :]
     acc = acc * tl.load(weights_ptr + slots, mask=row_ok, other=0.0)[:, None]
     out_ptrs = out_ptr + slots[:, None].to(tl.int64) * stride_os + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
@@ -151,8 +182,10 @@ def grouped_experts(
     layout: SlotLayout,
     top_k: int,
     tiles: tuple[GroupedTile, GroupedTile],
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
-    """slot_out [T * k, H]: each slot's expert output times its routing weight, in x's dtype."""
+    """slot_out [T * k, H]: each slot's expert output times its routing weight, in x's dtype (FP8
+    weights with their `scales`)."""
     num_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
     gate_up_tile, down_tile = tiles
@@ -164,17 +197,19 @@ def grouped_experts(
     common = dict(UPCAST=interpreting() and x.dtype != torch.float32, IEEE=x.dtype == torch.float32,
                   BLOCK_E=next_pow2(num_experts))
     t = gate_up_tile
+    s13, scaling13 = scale_args(scales, 0, w13, t.block_k)
     _gate_up_kernel[(max_blocks * triton.cdiv(inter, t.block_n),)](
-        x, w13, act, layout.starts, layout.counts, layout.sorted_slots, num_experts, max_blocks, hidden, inter,
+        x, w13, act, layout.starts, layout.counts, layout.sorted_slots, s13, num_experts, max_blocks, hidden, inter,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, EVEN_K=hidden % t.block_k == 0,
-        num_warps=t.num_warps, num_stages=t.num_stages, **common,
+        num_warps=t.num_warps, num_stages=t.num_stages, **common, **scaling13,
     )
     t = down_tile
+    s2, scaling2 = scale_args(scales, 1, w2, t.block_k)
     _down_kernel[(max_blocks * triton.cdiv(hidden, t.block_n),)](
-        act, w2, topk_weights, slot_out, layout.starts, layout.counts, layout.sorted_slots, num_experts, max_blocks,
+        act, w2, topk_weights, slot_out, layout.starts, layout.counts, layout.sorted_slots, s2, num_experts, max_blocks,
         hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), slot_out.stride(0),
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, EVEN_K=inter % t.block_k == 0,
-        num_warps=t.num_warps, num_stages=t.num_stages, **common,
+        num_warps=t.num_warps, num_stages=t.num_stages, **common, **scaling2,
     )
     return slot_out

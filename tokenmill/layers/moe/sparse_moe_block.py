@@ -13,6 +13,8 @@ models/weights.py's `load_checkpoint`:
     experts.{i}.down_proj.weight | .w2.weight    experts.w2[i]                shard (i, "down")
     experts.gate_up_proj  (transformers 5)       experts.w13                  [E, 2I, H]
     experts.down_proj     (transformers 5)       experts.w2                   [E, H, I]
+    experts.{i}.gate_proj.weight_scale (etc.)    experts.w13_weight_scale     shard (i, "gate"), and
+                                                 so on for each name in QUANTIZED_SUFFIXES
     shared_expert(s).gate_proj.{weight,bias}     shared_expert.gate_up_proj.* shard 0
     shared_expert(s).up_proj.{weight,bias}       shared_expert.gate_up_proj.* shard 1
     shared_expert(s).down_proj.{weight,bias}     shared_expert.down_proj.*
@@ -36,11 +38,15 @@ from tokenmill.layers.moe.fused_moe import FusedMoE
 from tokenmill.layers.moe.routing import RoutingConfig, select_experts
 from tokenmill.quantization.base import LinearMethod, QuantizationConfig
 from tokenmill.quantization.unquantized import Unquantized
+from tokenmill.quantization.weight_loading import QUANTIZED_SUFFIXES
 
+_EXPERT_PROJECTIONS = {"gate": ("w13", ("gate_proj", "w1")), "up": ("w13", ("up_proj", "w3")),
+                       "down": ("w2", ("down_proj", "w2"))}
 PACKED: dict[str, tuple[str, int | str | None]] = {
-    **{f"experts.*.{proj}.weight": ("experts.w13", "gate") for proj in ("gate_proj", "w1")},
-    **{f"experts.*.{proj}.weight": ("experts.w13", "up") for proj in ("up_proj", "w3")},
-    **{f"experts.*.{proj}.weight": ("experts.w2", "down") for proj in ("down_proj", "w2")},
+    **{f"experts.*.{proj}.weight": (f"experts.{stack}", shard)
+       for shard, (stack, names) in _EXPERT_PROJECTIONS.items() for proj in names},
+    **{f"experts.*.{proj}.{suffix}": (f"experts.{stack}_{suffix}", shard)
+       for shard, (stack, names) in _EXPERT_PROJECTIONS.items() for proj in names for suffix in QUANTIZED_SUFFIXES},
     "experts.gate_up_proj": ("experts.w13", None),
     "experts.down_proj": ("experts.w2", None),
     "shared_experts": ("shared_expert", None),

@@ -1,0 +1,200 @@
+"""Writing a quantized checkpoint: every linear layer the model multiplies (routers and one-row
+gates aside) encoded by the format's encoder under its checkpoint name, every other tensor as
+the checkpoint stores it, then config.json (with quantization_config), hf_quant_config.json
+where the format's convention has one, and the tokenizer.
+
+With `draft`, the body is quantized first and written into the float32 model as its dequantized
+values, and the output head is calibrated on the activations that quantized body produces, then
+quantized too (a tied head is written as a quantized lm_head of its own).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from tokenmill.errors import ConfigError
+from tokenmill.layers.attention import TorchReferenceBackend
+from tokenmill.layers.linear import Linear
+from tokenmill.models.interface import CausalLM, ModelBuild
+from tokenmill.models.loader import (
+    CheckpointSource,
+    checkpoint_tensor_dtypes,
+    iter_weights,
+    load_hf_config,
+    load_hf_quant_config,
+    load_tokenizer,
+    resolve_model,
+)
+from tokenmill.models.weights import CheckpointLoader, PackedNames
+from tokenmill.numerics import MX_GROUP
+from tokenmill.quantization.checkpoint import excluded
+from tokenmill.quantization.detect import read_quant_spec
+from tokenmill.quantization.encoding import CheckpointEncoder
+from tokenmill.quantization.registry import ENCODERS, FORMATS
+from tokenmill.quantize.calibrate import SEQUENCE_TOKENS, ActivationAmax, calibrate, quantizable_modules
+from tokenmill.runner.kv_calibration import calibration_token_ids
+from tokenmill.runner.model_builder import build_model
+
+logger = logging.getLogger("tokenmill.quantize")
+
+SHARD_BYTES = 4 << 30
+HEAD = "lm_head"
+
+
+@dataclass(frozen=True)
+class QuantizeRequest:
+    model: str | None
+    format: str
+    out: Path
+    exclude: Sequence[str] = ()
+    draft: bool = False
+    calibration_tokens: int = 2048
+    device: str = "cpu"
+    progress: bool = True
+
+
+def encoder_for(fmt: str) -> CheckpointEncoder:
+    if fmt not in ENCODERS:
+        raise ConfigError(f"--format {fmt}: this build of tokenmill has no {fmt} encoder; available: {', '.join(ENCODERS)}")
+    return ENCODERS[fmt]()
+
+
+def quantize_checkpoint(request: QuantizeRequest) -> Path:
+    """Calibrate, encode and write; returns the output directory."""
+    encoder = encoder_for(request.format)
+    source = resolve_model(request.model)
+    hf_config = load_hf_config(source)
+    if read_quant_spec(getattr(hf_config, "quantization_config", None), load_hf_quant_config(source)) is not None:
+        raise ConfigError(f"{source.path} is already quantized; quantize its high-precision original")
+    device = torch.device(request.device)
+    build = ModelBuild(hf_config, TorchReferenceBackend(), SEQUENCE_TOKENS, 16, torch.float32)
+    model = build_model(build, source, dtype=torch.float32, device=device, dummy_seed=None)
+    names = list(checkpoint_tensor_dtypes(source) or (name for name, _ in iter_weights(source)))
+    plan = _Plan(model, names, encoder, request)
+    token_ids, what = calibration_token_ids(source, hf_config.vocab_size, request.calibration_tokens)
+    amax = calibrate(model, token_ids, device, f"{what}, body", lambda path: path != HEAD, request.progress)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in iter_weights(source):
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and module in plan.quantized:
+            encoded = plan.encode(module, tensor, amax)
+            tensors.update({f"{module}.{suffix}": t for suffix, t in encoded.items()})
+        else:
+            tensors[name] = tensor
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    if request.draft:
+        head_amax = calibrate(model, token_ids, device, f"{what}, head on the quantized body", lambda path: path == HEAD,
+                              request.progress)
+        head = model.lm_head.weight.detach().float().cpu()
+        tensors.update({f"{HEAD}.{suffix}": t for suffix, t in plan.encode(HEAD, head, head_amax).items()})
+    config = hf_config.to_dict()
+    if request.draft and tied:
+        config["tie_word_embeddings"] = False
+    files = encoder.config_files(plan.written_exclusions())
+    config["quantization_config"] = files.quantization_config
+    _write(request.out, tensors, config, files.hf_quant_config, source)
+    logger.info("wrote %s: %d layers in %s, %d tensors", request.out, len(plan.quantized) + request.draft,
+                encoder.quant_algo, len(tensors))
+    return request.out
+
+
+class _Plan:
+    """Which checkpoint modules are quantized, and each one's calibration."""
+
+    def __init__(self, model: CausalLM, names: Sequence[str], encoder: CheckpointEncoder, request: QuantizeRequest):
+        self.model = model
+        self.encoder = encoder
+        self.draft = request.draft
+        self.exclude = tuple(request.exclude) + (() if request.draft else (HEAD,))
+        self.packed = PackedNames(getattr(model, "packed", {}))
+        self.loader = CheckpointLoader(model, getattr(model, "packed", {}))
+        modules = dict(quantizable_modules(model))
+        linears = {path for path, m in model.named_modules() if isinstance(m, Linear)}
+        self.quantized: dict[str, tuple[str, object]] = {}  # checkpoint module -> (model module path, shard)
+        self.kept: list[str] = []  # linear layers left in high precision that no pattern names
+        for name in names:
+            if not name.endswith(".weight"):
+                continue
+            target, shard = self.packed.locate(name)
+            path = target.rsplit(".", 1)[0]
+            module = name.removesuffix(".weight")
+            if path in modules and path != HEAD and not excluded(module, self.exclude):
+                self.quantized[module] = (path, shard)
+            elif path in linears and not excluded(module, self.exclude) and not (self.draft and path == HEAD):
+                self.kept.append(module)
+
+    def written_exclusions(self) -> list[str]:
+        """The exclusion list the config states: the patterns, and every other linear layer left in
+        high precision (MoE routers), so that readers which quantize every unlisted layer agree."""
+        return [*self.exclude, *self.kept]
+
+    def calibration(self, module: str, amax: ActivationAmax) -> dict[str, torch.Tensor]:
+        path, shard = self.quantized.get(module, (HEAD, None))
+        if not isinstance(shard, tuple):
+            return {"input_amax": torch.tensor(amax.linear.get(path, 0.0))}
+        expert, projection = shard
+        experts = self.model.get_submodule(path)
+        source = amax.expert_hidden if projection == "down" else amax.expert_inputs
+        result = {"input_amax": source.get(path, torch.zeros(experts.num_experts))[expert].float()}
+        if projection != "down":
+            result["weight_amax"] = experts.w13[expert].detach().abs().amax().float().cpu()
+        return result
+
+    def encode(self, module: str, tensor: torch.Tensor, amax: ActivationAmax) -> dict[str, torch.Tensor]:
+        weight = tensor.detach().float().cpu()
+        if self.encoder.quant_algo == "MXFP8" and weight.shape[-1] % MX_GROUP:
+            raise ConfigError(f"{module}: {weight.shape[-1]} input columns are not a multiple of {MX_GROUP}, which MXFP8 "
+                              f"needs; keep it in high precision with --exclude {module}")
+        encoded = self.encoder.encode(module, weight, self.calibration(module, amax))
+        if self.draft and module != HEAD:  # the head then sees the quantized body's activations
+            dequantized = read_back(self.encoder, module, encoded, weight.shape)
+            self.loader.load(f"{module}.weight", dequantized.to(next(self.model.parameters()).device))
+        return encoded
+
+
+def read_back(encoder: CheckpointEncoder, module: str, encoded: dict[str, torch.Tensor],
+              shape: torch.Size) -> torch.Tensor:
+    """The weight [N, K] a reader gets from encoded tensors: loaded into a one-layer Linear
+    through the format's own linear method, dequantized (float32)."""
+    fmt = FORMATS[encoder.quant_algo].from_settings(encoder.layer_entry(), use_triton=False)
+    layer = Linear(shape[1], shape[0], bias=False, method=fmt.linear_method(module), device="cpu")
+    for suffix, tensor in encoded.items():
+        param = getattr(layer, suffix)
+        param.weight_loader(param, tensor, None)
+    return layer.dequantized_weight()
+
+
+def _write(out: Path, tensors: dict[str, torch.Tensor], config: dict, hf_quant_config: dict | None,
+           source: CheckpointSource) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if size and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.contiguous()
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, file))
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    (out / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    if hf_quant_config is not None:
+        (out / "hf_quant_config.json").write_text(json.dumps(hf_quant_config, indent=2))
+    tokenizer = load_tokenizer(source)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
