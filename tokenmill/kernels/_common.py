@@ -25,6 +25,12 @@ def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
 
 
+def dot_width(n: int) -> int:
+    """A block width that a tl.dot reduces over: a power of two of at least 16 (the GPU's MMAs
+    take no narrower K; the padding columns are masked to zero)."""
+    return max(16, next_pow2(n))
+
+
 @functools.cache
 def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

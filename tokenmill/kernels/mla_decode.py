@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.kernels._common import FP8_DTYPE, interpreting, next_pow2, sm_count
+from tokenmill.kernels._common import FP8_DTYPE, dot_width, interpreting, next_pow2, sm_count
 from tokenmill.kernels.mla_absorbed import _merge_kernel, _mla_absorbed_kernel
 from tokenmill.kernels.paged_attention import LOG2E
 
@@ -134,7 +134,7 @@ def absorbed_attention(
         num_requests, num_heads, splits, softmax_scale * cache_scale * LOG2E, cache_scale,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1),
         cache.stride(0), cache.stride(1), block_tables.stride(0),
-        LATENT=latent_dim, ROPE=rope_dim, LATENT_P=next_pow2(latent_dim), ROPE_P=next_pow2(rope_dim),
+        LATENT=latent_dim, ROPE=rope_dim, LATENT_P=dot_width(latent_dim), ROPE_P=dot_width(rope_dim),
         BLOCK_H=plan.block_h, BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, PAGE=cache.shape[1],
         SPLIT=plan.split, MIN_SPLIT_TILES=plan.min_split_tiles,
         UPCAST=interpreting() and q_latent.dtype == torch.bfloat16, IEEE=q_latent.dtype == torch.float32,

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels._common import interpreting, mm, next_pow2
+from tokenmill.kernels._common import dot_width, interpreting, mm, next_pow2
 from tokenmill.kernels.paged_attention import LOG2E, _online_softmax_step, _request_tile
 
 
@@ -135,7 +135,7 @@ def upprojected_attention(
         query_start_loc, kv_starts, seq_lens, num_requests, softmax_scale * LOG2E,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         k_nope.stride(0), k_nope.stride(1), k_pe.stride(0), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        NOPE=nope, ROPE=rope, VDIM=vdim, NOPE_P=next_pow2(nope), ROPE_P=next_pow2(rope), VDIM_P=next_pow2(vdim),
+        NOPE=nope, ROPE=rope, VDIM=vdim, NOPE_P=dot_width(nope), ROPE_P=dot_width(rope), VDIM_P=next_pow2(vdim),
         BLOCK_M=block_m, BLOCK_N=block_n,
         UPCAST=interpreting() and q_nope.dtype == torch.bfloat16, IEEE=q_nope.dtype == torch.float32,
         num_warps=num_warps or (8 if on_gpu else 4), num_stages=2 if on_gpu else 1,
