@@ -195,6 +195,11 @@ class Bench:
                  (GroupedTile(32, 64, 64, 4, 4), GroupedTile(32, 128, 64, 4, 4)),
                  (GroupedTile(16, 32, 128, 4, 4), GroupedTile(16, 64, 128, 4, 4))],
             2048: [(GroupedTile(64, 64, 64, 4, 4), GroupedTile(64, 128, 64, 4, 4)),
+                   (GroupedTile(128, 128, 64, 8, 3), GroupedTile(128, 256, 64, 8, 3)),
+                   (GroupedTile(128, 64, 64, 8, 4), GroupedTile(128, 128, 64, 8, 4)),
+                   (GroupedTile(64, 128, 64, 4, 3), GroupedTile(64, 256, 64, 8, 3)),
+                   (GroupedTile(128, 128, 32, 8, 4), GroupedTile(128, 128, 32, 8, 4)),
+                   (GroupedTile(64, 64, 64, 4, 5), GroupedTile(64, 128, 64, 4, 5)),
                    (GroupedTile(128, 64, 64, 8, 3), GroupedTile(128, 128, 64, 8, 3)),
                    (GroupedTile(64, 128, 64, 8, 3), GroupedTile(64, 256, 64, 8, 3)),
                    (GroupedTile(64, 64, 128, 4, 3), GroupedTile(64, 128, 128, 4, 3)),
@@ -211,6 +216,50 @@ class Bench:
                 row = record("sweep", f"grouped T={tokens}", self.time(run), nbytes, flops,
                              plan=f"gate-up {_label(pair[0])} | down {_label(pair[1])}")
                 row["ratio"] = row["GB/s"] / self.copy_gbs if tokens < 1024 else row["TFLOP/s"] / self.matmul_tflops
+
+    def chain(self, layers: int = 16) -> None:
+        """Decode as the engine runs it: `layers` MoE layers of distinct weights in one CUDA graph (no L2
+        reuse between them, the launch gaps of a real step), per-layer time of the few-row path's tiles."""
+        s = self.s
+        gen = torch.Generator(device=s.device).manual_seed(1)
+        stacks = [(torch.randn(s.experts, 2 * s.inter, s.hidden, generator=gen, device=s.device, dtype=s.dtype) * 0.02,
+                   torch.randn(s.experts, s.hidden, s.inter, generator=gen, device=s.device, dtype=s.dtype) * 0.02)
+                  for _ in range(layers)]
+        few_tiles = [None, (GemvTile(16, 128, 4, 4), GemvTile(32, 128, 4, 4))]
+        for tokens in (1, 4, 16):
+            x, weights, ids = self.inputs(tokens)
+            nbytes = torch.unique(ids).numel() * self.expert_bytes
+            reference = fused_experts_ref(x.float(), stacks[0][0].float(), stacks[0][1].float(), weights, ids)
+            scale = reference.abs().max().item()
+
+            def per_layer(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float:
+                error = (step(*stacks[0]).float() - reference).abs().max().item() / scale
+                if error > 2e-2:
+                    self.failures += 1
+                    print(f"MISMATCH {error:.1e}", flush=True)
+                return self.time(lambda: [step(w13, w2) for w13, w2 in stacks]) / layers
+
+            for tiles in few_tiles:
+                def two_launch(w13: torch.Tensor, w2: torch.Tensor, tiles=tiles) -> torch.Tensor:
+                    return combine(few_row_experts(x, w13, w2, weights, ids, tiles), ids.shape[1])
+                label = "default" if tiles is None else f"gate-up {_label(tiles[0])} | down {_label(tiles[1])}"
+                row = record("chain", f"few-row T={tokens}", per_layer(two_launch), nbytes, plan=label)
+                row["ratio"] = row["GB/s"] / self.copy_gbs
+        stacks.clear()
+
+    def grouped_ceiling(self) -> None:
+        """cuBLAS batched GEMMs of the same FLOPs with every expert given the mean rows (no routing):
+        what a grouped GEMM could reach at the prefill shape."""
+        s = self.s
+        rows = s.prefill * s.top_k // s.experts
+        x = torch.randn(s.experts, rows, s.hidden, device=s.device, dtype=s.dtype)
+        w13 = torch.randn(s.experts, s.hidden, 2 * s.inter, device=s.device, dtype=s.dtype)
+        a = torch.randn(s.experts, rows, s.inter, device=s.device, dtype=s.dtype)
+        w2 = torch.randn(s.experts, s.inter, s.hidden, device=s.device, dtype=s.dtype)
+        flops = 2 * s.experts * rows * 3 * s.hidden * s.inter
+        row = record("sweep", f"cuBLAS bmm, {rows} rows per expert", self.time(lambda: (torch.bmm(x, w13), torch.bmm(a, w2))),
+                     flops=flops, plan="uniform rows, no gather")
+        row["ratio"] = row["TFLOP/s"] / self.matmul_tflops
 
 
 def _label(tile: GemvTile | GroupedTile) -> str:
@@ -243,6 +292,7 @@ def print_table() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true", help="also time other tiles of both paths")
+    parser.add_argument("--chain", action="store_true", help="decode paths and tiles over 16 layers in one graph")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (run with TRITON_INTERPRET=1)")
     parser.add_argument("--json", help="write every row here")
     args = parser.parse_args()
@@ -258,6 +308,9 @@ def main() -> None:
     bench.layer(s.prefill, prefill=True)
     if args.sweep:
         bench.sweep()
+        bench.grouped_ceiling()
+    if args.chain:
+        bench.chain(16 if s.device == "cuda" else 2)
     print(f"copy {bench.copy_gbs:.0f} GB/s, bf16 matmul {bench.matmul_tflops:.0f} TFLOP/s, "
           f"{time.perf_counter() - began:.0f} s")
     print_table()
