@@ -32,6 +32,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from an uninstalled checkout
 
+from gpu_bench import copy_seconds  # noqa: E402
+
 from tokenmill.kernels.activation import silu_and_mul, silu_and_mul_ref
 from tokenmill.kernels.attention import AttentionPlan, paged_attention, plan_attention
 from tokenmill.kernels.kv_cache import write_kv_cache
@@ -120,7 +122,7 @@ class Bench:
         s = self.s
         src = torch.empty(1 << 30 if s.device == "cuda" else 1 << 20, dtype=torch.uint8, device=s.device)
         dst = torch.empty_like(src)
-        seconds = self.time(lambda: dst.copy_(src))
+        seconds = copy_seconds(self.time, dst, src)
         self.copy_gbs = record("ceiling", "copy (read + write)", seconds, 2 * src.numel())["GB/s"]
         a = torch.randn(s.big, s.big, dtype=torch.bfloat16, device=s.device)
         seconds = self.time(lambda: a @ a)

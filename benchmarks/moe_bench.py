@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from an uninstalled checkout
 
+from gpu_bench import copy_seconds  # noqa: E402
 from transformers import Qwen3MoeConfig  # noqa: E402
 
 from tokenmill.kernels.gemv import GemvTile  # noqa: E402
@@ -132,7 +133,7 @@ class Bench:
         s = self.s
         src = torch.empty(1 << 30 if s.device == "cuda" else 1 << 20, dtype=torch.uint8, device=s.device)
         dst = torch.empty_like(src)
-        seconds = self.time(lambda: dst.copy_(src))
+        seconds = copy_seconds(self.time, dst, src)
         self.copy_gbs = record("ceiling", "copy (read + write)", seconds, 2 * src.numel())["GB/s"]
         a = torch.randn(s.big, s.big, dtype=torch.bfloat16, device=s.device)
         seconds = self.time(lambda: a @ a)

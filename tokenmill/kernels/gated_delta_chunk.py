@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels._common import and_flag, interpreting, mm, next_pow2
+from tokenmill.kernels._common import and_flag, dot_width, interpreting, mm
 from tokenmill.kernels.gated_delta_ref import CHUNK, plan_chunks
 
 # On a GPU: value columns per scan program (narrow: more programs for one long request), and
@@ -227,7 +227,7 @@ def chunk_gated_delta_rule(
     on_gpu = device.type == "cuda" and not interpreting()
     upcast = interpreting() and q.dtype == torch.bfloat16
     ieee = q.dtype == torch.float32
-    dk_p, dv_p = next_pow2(key_dim), next_pow2(value_dim)
+    dk_p, dv_p = dot_width(key_dim), dot_width(value_dim)
     stride_gh = g.stride(1)
     _chunk_prepare_kernel[(plan.num_chunks, value_heads)](
         q, k, v, g, beta, chunk_starts, gcum, w, u, aqk, scale,

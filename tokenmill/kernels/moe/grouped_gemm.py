@@ -50,7 +50,7 @@ def grouped_tiles(num_slots: int, num_experts: int) -> tuple[GroupedTile, Groupe
     if rows <= 32:
         block_m = 16 if rows <= 16 else 32
         return GroupedTile(block_m, 64, 64, 4, 4), GroupedTile(block_m, 128, 64, 4, 4)
-    if rows < 128:
+    if rows <= 256:
         return GroupedTile(64, 64, 64, 4, 4), GroupedTile(64, 128, 64, 4, 4)
     return GroupedTile(128, 64, 64, 8, 3), GroupedTile(128, 128, 64, 8, 3)
 
