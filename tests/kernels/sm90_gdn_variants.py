@@ -40,7 +40,7 @@ def gdn_variants(quick: bool = False):
             for block_v in (16, MAX_BLOCK_V):
                 yield (f"gdn recurrent {label} state={state} BV={block_v}", _recurrent_kernel, types,
                        dict(GROUP=group, BV=block_v, PER_CHANNEL=per_channel, NORM=True, HAS_CHECKPOINTS=True, **heads),
-                       recurrent_warps(block_v), 1)
+                       recurrent_warps(block_v, 4 if state == "fp32" else 2), 1)
     conv = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "state_ptr": "*bf16", "out_ptr": "*bf16", **INTS}
     update_c, update_warps = UPDATE_TILE
     for outputs in (True, False):

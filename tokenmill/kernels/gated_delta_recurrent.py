@@ -68,10 +68,12 @@ def _recurrent_kernel(
 MAX_BLOCK_V = 64
 
 
-def recurrent_warps(block_v: int) -> int:
-    """Warps per program: a [128, block_v] float32 tile and its products fit sm_90's registers
-    without spilling at 4 warps up to 32 columns, at 8 beyond."""
-    return 4 if block_v <= 32 else 8
+def recurrent_warps(block_v: int, state_bytes: int) -> int:
+    """Warps per program, the fastest of a sweep on an H200 at batch 32 and 256 (benchmarks/RESULTS.md):
+    few warps, each with more of the tile's loads in flight, beat more warps with fewer; a bf16
+    state tile takes half the registers of a float32 one."""
+    warps = 4 if block_v <= 64 else 8
+    return warps // 2 if state_bytes == 2 else warps
 
 
 def recurrent_block_v(num_requests: int, value_heads: int, value_dim: int, device: torch.device) -> int:
@@ -109,6 +111,6 @@ def recurrent_gated_delta_rule(
         beta.stride(0), out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2),
         GROUP=value_heads // key_heads, DK=key_dim, DV=value_dim, DK_P=next_pow2(key_dim), BV=block_v,
         PER_CHANNEL=g.dim() == 3, NORM=use_qk_l2norm, HAS_CHECKPOINTS=has_checkpoints,
-        num_warps=num_warps or (recurrent_warps(block_v) if on_gpu else 1), num_stages=1,
+        num_warps=num_warps or (recurrent_warps(block_v, state.element_size()) if on_gpu else 1), num_stages=1,
     )
     return out
