@@ -75,8 +75,8 @@ def plan_absorbed(
         block_h = min(next_pow2(num_heads), max_rows)
     if block_q is None:
         block_q = max(1, min(next_pow2(max_query_len), max_rows // block_h))
-    if block_n is None:
-        block_n = 32 if on_gpu else 8
+    if block_n is None:  # the H200 sweep's best key tiles at 32k (benchmarks/RESULTS.md); verification keeps 32
+        block_n = (32 if max_query_len > 1 else 64 if fp8_cache else 128) if on_gpu else 8
     block_m = block_q * block_h
     head_tiles = -(-num_heads // block_h)
     num_tiles = num_tokens if block_q == 1 else num_tokens // block_q + num_requests
@@ -89,7 +89,7 @@ def plan_absorbed(
     min_split_tiles = max(1, min_split_tokens // block_n)
     # 8 warps keep a 16-row decode tile's accumulators and widened FP8 tile out of local memory.
     num_warps = 8 if on_gpu else 4
-    num_stages = (2 if block_m >= 64 or fp8_cache else 3) if on_gpu else 1
+    num_stages = (2 if block_m >= 64 or fp8_cache or block_n >= 64 else 3) if on_gpu else 1
     return AbsorbedPlan(block_h, block_q, block_n, num_splits, min_split_tiles, num_warps, num_stages, num_tiles, head_tiles)
 
 
