@@ -26,6 +26,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3_5MoeForConditionalGeneration": ("tokenmill.models.qwen3_next", "Qwen3_5MoeForConditionalGeneration"),
     "Qwen4ExpForCausalLM": ("tokenmill.models.qwen4_exp", "Qwen4ExpForCausalLM"),
     "Qwen4ExpForConditionalGeneration": ("tokenmill.models.qwen4_exp", "Qwen4ExpForConditionalGeneration"),
+    "RaonForCausalLM": ("tokenmill.models.raon", "RaonForCausalLM"),
 }
 
 # For configs without `architectures` (e.g. built from GGUF metadata).
@@ -35,7 +36,8 @@ _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", 
                   "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
                   "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
                   "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration", "qwen4_exp_text": "Qwen4ExpForCausalLM",
-                  "qwen4_exp": "Qwen4ExpForConditionalGeneration", "kimi_linear": "KimiLinearForCausalLM"}
+                  "qwen4_exp": "Qwen4ExpForConditionalGeneration", "kimi_linear": "KimiLinearForCausalLM",
+                  "raon": "RaonForCausalLM"}
 
 
 def register_model(architecture: str, module: str, class_name: str, model_type: str | None = None) -> None:
