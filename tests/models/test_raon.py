@@ -154,3 +154,16 @@ def test_a_checkpoint_without_hyper_connections_is_refused(raon_dir: Path, tmp_p
     (tmp_path / "config.json").write_text(json.dumps(RAON))
     with pytest.raises(ModelLoadError, match="lacks"):
         hybrid_llm(tmp_path)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_and_speculation_give_the_eager_tokens_on_cuda(raon_dir: Path) -> None:
+    """bf16 on CUDA (Triton KDA and MLA kernels): decode replayed from CUDA graphs and n-gram
+    speculation through the verify graphs give the eager engine's greedy tokens."""
+    prompts = random_prompts((5, 40, 300), seed=4) + [random_prompts((12,), seed=5)[0] * 5]
+    eager = hybrid_llm(raon_dir, device="cuda", dtype="bfloat16", enforce_eager=True)
+    expected = [o.outputs[0].token_ids for o in eager.generate(prompts, PARAMS)]
+    for overrides in ({}, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}):
+        graphs = hybrid_llm(raon_dir, device="cuda", dtype="bfloat16", **overrides)
+        assert graphs.engine.runner.graphs
+        assert [o.outputs[0].token_ids for o in graphs.generate(prompts, PARAMS)] == expected, overrides
