@@ -19,7 +19,7 @@ for part in "${@:-tests attention engine}"; do
       mla) python3 -m pytest -q -rP -m gpu -p no:cacheprovider tests/kernels/test_mla_kernels.py tests/kernels/test_mla_layer.py tests/models/test_deepseek.py 2>&1 | tee "$out/mla_gpu_tests.log"
            python3 benchmarks/mla_bench.py --json "$out/mla_bench.json" 2>&1 | tee "$out/mla_bench.log"
            python3 benchmarks/mla_engine_bench.py --json "$out/mla_engine_bench.json" 2>&1 | tee "$out/mla_engine_bench.log" ;;
-      kimi) python3 -m pytest -q -rP -m gpu -p no:cacheprovider tests/models/test_kimi_linear.py tests/models/test_raon.py 2>&1 | tee "$out/kimi_gpu_tests.log"
+      kimi) python3 -m pytest -q -rP -m gpu -p no:cacheprovider tests/models/test_kimi_linear.py tests/models/test_raon.py tests/kernels/test_kda_layer.py 2>&1 | tee "$out/kimi_gpu_tests.log"
             python3 benchmarks/mla_engine_bench.py --model kimi --json "$out/kimi_engine_bench.json" 2>&1 | tee "$out/kimi_engine_bench.log" ;;
     esac
   done

@@ -159,3 +159,15 @@ def test_cuda_graphs_and_speculation_give_the_eager_tokens(saved) -> None:
         graphs = hybrid_llm(path, device="cuda", dtype="bfloat16", **overrides)
         assert graphs.engine.runner.graphs
         assert [o.outputs[0].token_ids for o in graphs.generate(prompts, params)] == expected, overrides
+
+
+def test_fp8_latent_cache_is_calibrated_through_the_hybrid_forward(tmp_path: Path) -> None:
+    """--kv-cache-dtype fp8: the MLA layers' latent scales come from a calibration forward that
+    runs the KDA layers on their state slots too; logits stay within FP8's error of transformers'
+    (dense MLPs: a tiny random router's top-k flips under any perturbation)."""
+    hf_model = save_kimi("kimi-q-lora-grouped", tmp_path, mlp_layer_types=[DENSE] * 4)
+    llm = hybrid_llm(tmp_path, kv_cache_dtype="fp8")
+    layers = llm.engine.runner.model.scaled_cache_layers()
+    assert len(layers) == 2 and all(isinstance(layer, MLAAttention) for layer in layers)
+    assert all(layer.kv_cache.dtype == torch.float8_e4m3fn and layer.kv_scales != (1.0,) for layer in layers)
+    check_parity(llm, hf_model, random_prompts((60,), seed=6)[0], steps=8, tol=5e-2)
