@@ -2,7 +2,7 @@
 chunked prefill and forced preemption (KDA state recomputed, latent blocks freed); prefix hits of
 unaligned lengths resuming KDA state snapshots beside shared latent blocks; speculative decoding
 with every acceptance length (KDA state rolled back to the accepted draft's checkpoint, MLA
-verified through the absorbed path) and with n-gram drafts; a request's tokens whatever batch it
+verified through the absorbed path), with n-gram drafts and with a draft model; a request's tokens whatever batch it
 runs in and whatever the step budget."""
 
 from __future__ import annotations
@@ -10,8 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from hybrid_models import VOCAB, SpoilingProposer, hf_greedy, hybrid_llm, random_prompts
 from kimi_models import save_kimi
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.runner.model_runner import ModelRunner
@@ -114,4 +116,16 @@ def test_ngram_speculation_keeps_greedy_output(model) -> None:
     llm = hybrid_llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": GAMMA,
                                                "prompt_lookup_min": 1})
     assert greedy(llm, [repeated]) == plain
+    assert llm.engine.stats().spec_num_drafts > 0
+
+
+def test_draft_model_speculation_keeps_greedy_output(model, tmp_path: Path) -> None:
+    path, expected = model
+    torch.manual_seed(3)
+    draft = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512))
+    draft.save_pretrained(tmp_path)
+    llm = hybrid_llm(path, speculative_config={"method": "draft_model", "model": str(tmp_path),
+                                               "num_speculative_tokens": GAMMA})
+    assert greedy(llm, PROMPTS) == expected
     assert llm.engine.stats().spec_num_drafts > 0
