@@ -1,8 +1,9 @@
-"""DeepSeek-V2-Lite-shaped MLA model through tokenmill.LLM on one GPU, beside the roofline and the
-copy bandwidth measured in the same run.
+"""An MLA model through tokenmill.LLM on one GPU, beside the roofline and the copy bandwidth
+measured in the same run: DeepSeek-V2-Lite's shape, or (--model kimi) Kimi-Linear-48B-A3B's.
 
     python benchmarks/mla_engine_bench.py [--dense] [--tokens 128] [--json out.json]
-    python benchmarks/mla_engine_bench.py --smoke   # tiny, on CPU: checks the script
+    python benchmarks/mla_engine_bench.py --model kimi [--layers 27] [--json out.json]
+    python benchmarks/mla_engine_bench.py [--model kimi] --smoke   # tiny, on CPU: checks the script
 
 The model: DeepSeek-V2-Lite's shape (27 layers, hidden 2048, 16 heads, no q LoRA, latent 512 +
 rope 64, q/k head 192, v head 128, YaRN factor 40; layer 0 a dense MLP of 10944, then 64 routed
@@ -19,6 +20,14 @@ the same bytes per decode step without the MoE kernels.
    experts per MoE layer a token does not select; the captured decode step's device time beside it.
 3. Speculative verification: the captured (1 + 4)-token verify step against the 1-token step at
    batch 1 (device time, FP8 latent), at 512 and 32k of context.
+
+--model kimi: Kimi-Linear-48B-A3B's shape (27 layers, hidden 2304; KDA 32 heads of 128, conv 4;
+NoPE MLA 32 heads, latent 512 + 64, no q LoRA, in every 4th layer; layer 0 a dense MLP of 9216,
+then 256 experts of 1024 top-8 sigmoid + 1 shared; vocab 163840), about 97 GB of bf16 weights at
+27 layers (--layers fewer keeps the mix). Part 1 is instead a tiny Kimi-Linear (bf16, Triton KDA
+and MLA kernels, CUDA graphs) against transformers' float32 model, skipped where transformers has
+no kimi_linear; parts 2 and 3 as above, the roofline's bytes also counting the KDA state each
+decode step reads and writes (2x the state slot: recurrent state in float32, conv windows).
 """
 
 from __future__ import annotations
@@ -61,8 +70,66 @@ TINY = {**V2_LITE, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 12
         "moe_intermediate_size": 24, "bos_token_id": 0, "eos_token_id": 1,
         "rope_scaling": {**V2_LITE["rope_scaling"], "original_max_position_embeddings": 64},
         "max_position_embeddings": 2560}
+KIMI_48B = {
+    "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "vocab_size": 163840,
+    "hidden_size": 2304, "intermediate_size": 9216, "moe_intermediate_size": 1024, "num_hidden_layers": 27,
+    "num_attention_heads": 32, "num_key_value_heads": 32, "q_lora_rank": None, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": True,
+    "num_experts": 256, "num_experts_per_token": 8, "num_shared_experts": 1, "moe_renormalize": True,
+    "moe_router_activation_func": "sigmoid", "routed_scaling_factor": 2.446, "num_expert_group": 1, "topk_group": 1,
+    "first_k_dense_replace": 1, "moe_layer_freq": 1, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+    "model_max_length": 1048576, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839,
+    "linear_attn_config": {"head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4},
+}
+KIMI_TINY = {**KIMI_48B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 24,
+             "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+             "qk_rope_head_dim": 8, "v_head_dim": 16, "num_experts": 8, "num_experts_per_token": 2,
+             "model_max_length": 4096, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": None,
+             "linear_attn_config": {"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4}}
 GAMMA = 4
 LONG = 32768
+
+
+def kimi_shape(config: dict, layers: int) -> dict:
+    """`layers` layers of the shape, MLA in every 4th (1-indexed 4, 8, ...), KDA elsewhere."""
+    full = [i for i in range(1, layers + 1) if i % 4 == 0]
+    lists = {"kda_layers": [i for i in range(1, layers + 1) if i not in full], "full_attn_layers": full}
+    return {**config, "num_hidden_layers": layers, "linear_attn_config": {**config["linear_attn_config"], **lists}}
+
+
+def check_tiny_kimi(device: str) -> None:
+    """Greedy tokens of a tiny Kimi-Linear (Triton KDA and MLA kernels on CUDA) against transformers in float32."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.models.kimi_linear import KimiLinearConfig  # noqa: F401
+    except ImportError:
+        print("check: skipped, this transformers has no kimi_linear", flush=True)
+        return
+    config = kimi_shape(KIMI_TINY, 4)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        torch.manual_seed(0)
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp), dtype=torch.float32).eval()
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                p.copy_(torch.randn(p.shape) * 0.1 + (1.0 if p.dim() == 1 and "dt_bias" not in name else 0.0))
+        hf.save_pretrained(tmp)
+        dtype = "bfloat16" if device == "cuda" else "float32"
+        llm = LLM(tmp, device=device, dtype=dtype, max_model_len=1024, kv_cache_bytes=1 << 26, max_num_seqs=4)
+        prompt = random.Random(3).sample(range(2, 500), 300)
+        tokens = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].outputs[0].token_ids
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 :]
+    agree = sum(int(ref[i].argmax()) == t for i, t in enumerate(tokens))
+    print(f"check: tiny Kimi-Linear on {device} ({dtype}): {agree}/{len(tokens)} greedy tokens equal transformers' "
+          "float32 argmax", flush=True)
+    assert agree >= len(tokens) * 3 // 4, "the engine's greedy tokens disagree with transformers'"
+
+
+def state_bytes(llm: LLM) -> int:
+    """What a decode step reads and writes of one request's recurrent state (KDA): its slot, twice."""
+    return 2 * llm.engine.runner.cache_plan.bytes_per_state_slot
 
 
 def latent_bytes(llm: LLM, context: int) -> float:
@@ -103,6 +170,8 @@ def check(model_dir: str, common: dict, device: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=("v2-lite", "kimi"), default="v2-lite")
+    parser.add_argument("--layers", type=int, default=27, help="--model kimi: layers of the shape (27: all)")
     parser.add_argument("--tokens", type=int, default=128, help="decoded tokens per timed run")
     parser.add_argument("--dense", action="store_true",
                         help="dense MLPs of the shared + active-expert width instead of V2-Lite's MoE layers")
@@ -113,8 +182,13 @@ def main() -> None:
     table = FigureTable()
     report = table.report
 
+    kimi = args.model == "kimi"
     config = TINY if args.smoke else V2_LITE_DENSE if args.dense else V2_LITE
-    if args.dense:
+    if kimi:
+        config = kimi_shape(KIMI_TINY, 4) if args.smoke else kimi_shape(KIMI_48B, args.layers)
+        print(f"model: Kimi-Linear-48B-A3B shape, {config['num_hidden_layers']} layers (KDA; NoPE MLA every 4th; "
+              "layer 0 dense, then 256 experts top-8 + 1 shared)", flush=True)
+    elif args.dense:
         print("model: DeepSeek-V2-Lite attention shape with DENSE MLPs of the shared + active-expert width "
               f"({V2_LITE_DENSE['intermediate_size']}) in all 27 layers, not its MoE layers", flush=True)
     else:
@@ -124,7 +198,12 @@ def main() -> None:
         common = dict(device=device, load_format="dummy", dtype="float32" if args.smoke else "bfloat16",
                       max_model_len=LONG + 1024 if not args.smoke else 512, max_num_seqs=4,
                       kv_cache_bytes=(4 << 30) if not args.smoke else (1 << 24))
-        check(tmp, common, device)
+        if kimi:
+            check_tiny_kimi(device)
+            if args.smoke:
+                LLM(tmp, **common).generate([[5] * 40], SamplingParams(temperature=0, max_tokens=4))
+        else:
+            check(tmp, common, device)
         if args.smoke:
             print(f"smoke run done in {time.perf_counter() - table.began:.0f} s")
             return
@@ -137,10 +216,14 @@ def main() -> None:
         long_prompt = [rng.randrange(1000, 100000) for _ in range(LONG)]
         for label, kv_dtype, context in (("bf16 latent", "auto", 128), ("FP8 latent", "fp8", LONG)):
             llm = LLM(tmp, **common, kv_cache_dtype=kv_dtype)
-            weights = active_weight_bytes(llm, llm.engine.runner.model.model.embed_tokens.weight)
+            model = llm.engine.runner.model
+            weights = active_weight_bytes(llm, getattr(model, "model", model).embed_tokens.weight)
+            state = state_bytes(llm)
             if kv_dtype == "auto":
                 report("active weight bytes", weights / 1e9, "GB")
-            read = weights + latent_bytes(llm, context)
+                if state:
+                    report("recurrent state read + written per decode step", state / 1e9, "GB")
+            read = weights + latent_bytes(llm, context) + state
             roofline = bandwidth / read
             report(f"roofline bs=1 @ {context}, {label} ({read / 1e9:.3f} GB per token)", roofline, "tok/s")
             prompt = long_prompt[:context]

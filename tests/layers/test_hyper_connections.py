@@ -38,3 +38,19 @@ def test_widen_copies_the_embedding_into_every_stream() -> None:
     streams = HyperConnection.widen(hidden, 3)
     assert streams.shape == (5, 3, 8)
     torch.testing.assert_close(streams.flatten(-2), hidden.repeat(1, 3))
+
+
+def test_around_wraps_any_block_as_mix_then_inject() -> None:
+    """A block of any kind (here a plain linear map, no Qwen4Exp part) wrapped by a connection:
+    its input is the mixed streams, its output injected with the connection's weights; a final
+    mixer wraps nothing."""
+    torch.manual_seed(0)
+    hc = HyperConnection(8, 3, 4, 1e-6)
+    for p in hc.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.3)
+    block = torch.nn.Linear(8, 8)
+    streams = torch.randn(5, 3, 8)
+    mixed, weights = hc.mix(streams)
+    torch.testing.assert_close(hc.around(streams, block), streams + block(mixed).unsqueeze(-2) * weights.unsqueeze(-1))
+    with pytest.raises(ValueError, match="wraps no block"):
+        HyperConnection(8, 3, 4, 1e-6, inject=False).around(streams, block)

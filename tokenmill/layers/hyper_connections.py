@@ -1,12 +1,18 @@
-"""Hyper-connections: a residual of `hc_count` parallel streams instead of one.
+"""Hyper-connections: a residual of `hc_count` parallel streams instead of one, as a block any
+decoder wraps its sublayers in.
 
-A model threads its residual as [T, hc_count, hidden] through every layer. Before each block a
-`HyperConnection` reads the streams: it normalises each (RMSNorm scaled by 1 + weight, per
-stream), gates every stream's channels by sigmoid(W_up silu(W_down s / n)) (a rank `hc_lowrank`
-mixer over the concatenated streams) and averages the gated streams into the block's input; after
-the block its output is added back to every stream i times 2 sigmoid(w_i . s / n). The final
-mixer (`inject=False`) only contracts the streams into one hidden state. This is Qwen4Exp's
-`Qwen4ExpTextGatedResidual`; Raon-style 4-stream residuals are the same parts configured.
+A model threads its residual as [T, hc_count, hidden] through every layer: `widen` copies the
+embedding into each stream, and each sublayer (token mixer, MLP: any map of one hidden state to
+one) is wrapped by a `HyperConnection` of its own, `streams = hc.around(streams, sublayer)`.
+Before the sublayer the connection reads the streams: it normalises each (RMSNorm scaled by
+1 + weight, per stream), gates every stream's channels by sigmoid(W_up silu(W_down s / n)) (a rank
+`lowrank` mixer over the concatenated streams) and averages the gated streams into the sublayer's
+input; after it the output is added back to every stream i times 2 sigmoid(w_i . s / n). A final
+mixer (`inject=False`) only contracts the streams into one hidden state, which the model may
+normalise further. The layer knows nothing of the model around it: its sizes are arguments, its
+parameters are named relative to where the model puts it. Qwen4Exp wraps its Gated DeltaNet /
+QSA mixers and MoE this way (transformers' Qwen4ExpTextGatedResidual is the oracle), Raon-style
+models (models/raon.py) their KDA / NoPE-MLA mixers and MLPs.
 
 Parameter names are the checkpoint's: `hc_norm.weight` [n * hidden], `input_mix_weight_down`
 [lowrank, n * hidden], `input_mix_weight_up` [n * hidden, lowrank], `block_inject_weight`
@@ -14,6 +20,8 @@ Parameter names are the checkpoint's: `hc_norm.weight` [n * hidden], `input_mix_
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +38,8 @@ def stream_norm(hidden_size: int, hc_count: int, eps: float) -> ZeroCenteredRMSN
 
 
 class HyperConnection(nn.Module):
-    """`mix(streams)` -> (block input [T, hidden], injection weights [T, n] or None);
+    """`around(streams, block)` -> the streams after `block` wrapped by this connection; its two
+    halves: `mix(streams)` -> (block input [T, hidden], injection weights [T, n] or None) and
     `inject(streams, block_output, weights)` -> the streams after the block."""
 
     def __init__(self, hidden_size: int, hc_count: int, lowrank: int, eps: float, *, inject: bool = True,
@@ -59,6 +68,13 @@ class HyperConnection(nn.Module):
         if self.block_inject_weight is None:
             return mixed, None
         return mixed, 2 * torch.sigmoid(self.block_inject_weight(flat) / self.hc_count)
+
+    def around(self, streams: torch.Tensor, block: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """streams [T, n, hidden] -> the streams after block(mixed input [T, hidden]) -> [T, hidden]."""
+        x, weights = self.mix(streams)
+        if weights is None:
+            raise ValueError("a final mixer (inject=False) contracts the streams: it wraps no block")
+        return self.inject(streams, block(x), weights)
 
     @staticmethod
     def inject(streams: torch.Tensor, block_output: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

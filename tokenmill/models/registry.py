@@ -12,6 +12,7 @@ from tokenmill.models.interface import CausalLM
 _MODELS: dict[str, tuple[str, str]] = {
     "DeepseekV2ForCausalLM": ("tokenmill.models.deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("tokenmill.models.deepseek", "DeepseekV3ForCausalLM"),
+    "KimiLinearForCausalLM": ("tokenmill.models.kimi_linear", "KimiLinearForCausalLM"),
     "LlamaForCausalLM": ("tokenmill.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("tokenmill.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("tokenmill.models.llama", "Qwen2ForCausalLM"),
@@ -25,6 +26,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3_5MoeForConditionalGeneration": ("tokenmill.models.qwen3_next", "Qwen3_5MoeForConditionalGeneration"),
     "Qwen4ExpForCausalLM": ("tokenmill.models.qwen4_exp", "Qwen4ExpForCausalLM"),
     "Qwen4ExpForConditionalGeneration": ("tokenmill.models.qwen4_exp", "Qwen4ExpForConditionalGeneration"),
+    "RaonForCausalLM": ("tokenmill.models.raon", "RaonForCausalLM"),
 }
 
 # For configs without `architectures` (e.g. built from GGUF metadata).
@@ -34,7 +36,8 @@ _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", 
                   "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
                   "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
                   "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration", "qwen4_exp_text": "Qwen4ExpForCausalLM",
-                  "qwen4_exp": "Qwen4ExpForConditionalGeneration"}
+                  "qwen4_exp": "Qwen4ExpForConditionalGeneration", "kimi_linear": "KimiLinearForCausalLM",
+                  "raon": "RaonForCausalLM"}
 
 
 def register_model(architecture: str, module: str, class_name: str, model_type: str | None = None) -> None:
@@ -52,6 +55,19 @@ def serving_config(config: PretrainedConfig) -> PretrainedConfig:
     except ModelLoadError:
         return config
     return cls.serving_config(config)
+
+
+def config_from_dict(raw: dict) -> PretrainedConfig | None:
+    """The config a registered model class builds itself from config.json's dict (its
+    `config_from_dict`: architectures transformers does not know, such as trust_remote_code
+    checkpoints); None where the class leaves it to AutoConfig or no class is registered."""
+    architectures = raw.get("architectures") or [_BY_MODEL_TYPE.get(raw.get("model_type", ""), "")]
+    for name in architectures:
+        if name in _MODELS:
+            module, class_name = _MODELS[name]
+            cls = getattr(importlib.import_module(module), class_name)
+            return cls.config_from_dict(raw) if isinstance(cls, type) and issubclass(cls, CausalLM) else None
+    return None
 
 
 def supported_architectures() -> list[str]:

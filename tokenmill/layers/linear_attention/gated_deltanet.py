@@ -15,8 +15,6 @@ ungrouped in the forward.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,7 +23,13 @@ from transformers import PretrainedConfig
 from tokenmill.errors import ConfigError
 from tokenmill.kv.specs import RecurrentStateSpec
 from tokenmill.layers.linear import Linear
-from tokenmill.layers.linear_attention.state import DELTA_STATE, RecurrentBatch, conv_delta_spec
+from tokenmill.layers.linear_attention.state import (
+    DELTA_STATE,
+    DeltaHeads,
+    RecurrentBatch,
+    conv_delta_spec,
+    short_conv_delta_rule,
+)
 from tokenmill.layers.norm import GatedRMSNorm
 from tokenmill.quantization.base import QuantizationConfig
 
@@ -56,7 +60,8 @@ class GatedDeltaNet(nn.Module):
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
-        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.heads = DeltaHeads(self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim)
+        self.conv_dim = self.heads.conv_dim
         self.conv_width = config.linear_conv_kernel_dim
         self.grouped_projections = grouped_projections
         self.use_triton = use_triton
@@ -98,32 +103,10 @@ class GatedDeltaNet(nn.Module):
                 a.reshape(tokens, -1))
 
     def forward(self, x: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:
-        conv, delta_rule = _kernels(self.use_triton, x.shape[0], batch.slots.shape[0])
         tokens = x.shape[0]
         mixed, z, b, a = self._split(x)
-        mixed = conv(mixed, self.conv1d.weight.squeeze(1), None, self.conv_state, batch.slots, batch.cu_seqlens,
-                     batch.has_initial_state, activation="silu", checkpoint_slots=batch.checkpoint_slots)
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        out = delta_rule(q.reshape(tokens, self.num_k_heads, self.head_k_dim),
-                         k.reshape(tokens, self.num_k_heads, self.head_k_dim),
-                         v.reshape(tokens, self.num_v_heads, self.head_v_dim), g, beta, self.delta_state,
-                         batch.slots, batch.cu_seqlens, batch.has_initial_state, scale=self.head_k_dim**-0.5,
-                         use_qk_l2norm=True, checkpoint_slots=batch.checkpoint_slots)
+        out = short_conv_delta_rule(mixed, self.conv1d.weight.squeeze(1), self.conv_state, self.delta_state, self.heads,
+                                    g, beta, batch, self.use_triton)
         return self.out_proj(self.norm(out, z).reshape(tokens, self.value_dim))
-
-
-def _kernels(use_triton: bool, num_tokens: int, num_requests: int) -> tuple[Callable[..., torch.Tensor], ...]:
-    """(causal conv1d, gated delta rule): the Triton entry points, or the PyTorch references (the
-    recurrent form for decode-sized batches, the chunked form for prefill)."""
-    if use_triton:
-        from tokenmill.kernels.causal_conv1d import causal_conv1d
-        from tokenmill.kernels.gated_delta import gated_delta_rule
-
-        return causal_conv1d, gated_delta_rule
-    from tokenmill.kernels.causal_conv1d import causal_conv1d_ref
-    from tokenmill.kernels.gated_delta import gated_delta_rule_chunked_ref, gated_delta_rule_ref, uses_recurrent_path
-
-    return causal_conv1d_ref, (gated_delta_rule_ref if uses_recurrent_path(num_tokens, num_requests)
-                               else gated_delta_rule_chunked_ref)

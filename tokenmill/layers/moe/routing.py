@@ -79,8 +79,8 @@ class RoutingConfig:
 
     @classmethod
     def from_hf_config(cls, config: PretrainedConfig) -> RoutingConfig:
-        """The routing of a Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Qwen4Exp, DeepSeek-V2, DeepSeek-V3 or
-        Kimi-Linear config."""
+        """The routing of a Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, Qwen4Exp, DeepSeek-V2, DeepSeek-V3,
+        Kimi-Linear or Raon-style config."""
         family = _FAMILIES.get(getattr(config, "model_type", None))
         if family is None:
             raise ConfigError(f"no MoE routing is known for model_type {getattr(config, 'model_type', None)!r}; "
@@ -143,6 +143,7 @@ _FAMILIES: dict[str | None, _Family] = {
                            float32_logits=True),
     "deepseek_v3": _Family("sigmoid", ("noaux_tc",), "noaux_tc", float32_logits=True),
     "kimi_linear": _Family("sigmoid", ("noaux_tc",), "noaux_tc", float32_logits=True),
+    "raon": _Family("sigmoid", ("noaux_tc",), "noaux_tc", float32_logits=True),  # Kimi-Linear's router (models/raon.py)
 }
 
 
