@@ -64,6 +64,9 @@ TINY = {**QWEN3_NEXT, "vocab_size": 512, "hidden_size": 64, "intermediate_size":
         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_experts": 8, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "max_position_embeddings": 4096,
         "bos_token_id": 0, "eos_token_id": 1}
+# Qwen3-Next-80B-A3B-FP8's layout: 128 x 128 block FP8 everywhere but the head and the routers.
+FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+             "modules_to_not_convert": ["lm_head", "mlp.gate", "shared_expert_gate"]}
 VLLM_STATE_BLOCK = 1504  # vLLM's hybrid block with BF16 state (MODELS.md): one cached state per block
 
 
@@ -154,6 +157,8 @@ def block_granular_hits(prompts: list[list[int]], block: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=24, help="layers of the Qwen3-Next shape (48 needs FP8 weights)")
+    parser.add_argument("--fp8", action="store_true", help="128 x 128 block FP8 weights (the 80B's published format)")
+    parser.add_argument("--skip-chat", action="store_true", help="decode figures only")
     parser.add_argument("--conversations", type=int, default=4)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=128, help="decoded tokens per timed run")
@@ -166,6 +171,8 @@ def main() -> None:
 
     check_tiny(device)
     config = dict(TINY) if args.smoke else {**QWEN3_NEXT, "num_hidden_layers": args.layers}
+    if args.fp8:
+        config["quantization_config"] = FP8_BLOCK
     system_len, answer = (64, 4) if args.smoke else (4096, 64)
     if args.smoke:
         args.conversations, args.turns = 2, 3
@@ -195,6 +202,9 @@ def main() -> None:
                 del llm
                 torch.cuda.empty_cache()
             report("bf16 / fp32 state, decode bs=64", rates["bfloat16"] / rates["float32"], "x")
+        if args.skip_chat:
+            table.finish(args.json)
+            return
         small = dict(block_size=8, mamba_state_interval=32) if args.smoke else {}
         chat = dict(seed=7, system_len=system_len, conversations=args.conversations, turns=args.turns, answer=answer,
                     vocab=config["vocab_size"])
