@@ -1,7 +1,8 @@
 """The package's import graph reads top-down: server -> engine -> speculative -> runner -> sample ->
 models -> layers -> kv -> quantization -> kernels, every room importing only rooms below it (and
 the leaf modules), with no cycle between modules. Imports under `if TYPE_CHECKING:` are types
-only and do not count."""
+only and do not count. Imports are absolute: a relative one is flagged (and still counted, resolved,
+so that it cannot hide an edge)."""
 
 from __future__ import annotations
 
@@ -34,14 +35,32 @@ def runtime_imports(path: Path) -> set[str]:
     for node in ast.walk(tree):
         if id(node) in type_only:
             continue
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        if isinstance(node, ast.ImportFrom):
+            base = absolute_module(path, node)
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         else:
             continue
         found.update(n for n in names if n == "tokenmill" or n.startswith("tokenmill."))
     return found
+
+
+def absolute_module(path: Path, node: ast.ImportFrom) -> str:
+    """The module an ImportFrom names, a relative one resolved against `path`'s package."""
+    if node.level == 0:
+        return node.module or ""
+    package = module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    package = package[:len(package) - (node.level - 1)]
+    return ".".join(package + ([node.module] if node.module else []))
+
+
+def relative_imports(source: str) -> list[str]:
+    """`line: from .x import y` for each relative import in a module's source (TYPE_CHECKING too)."""
+    return [f"{node.lineno}: {ast.unparse(node)}" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.ImportFrom) and node.level > 0]
 
 
 def room(module: str) -> str:
@@ -101,3 +120,21 @@ def test_no_module_cycle() -> None:
     for node in edges:
         if node not in state:
             visit(node, [node])
+
+
+def test_imports_are_absolute() -> None:
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}" for path in sorted(PACKAGE.rglob("*.py"))
+             for line in relative_imports(path.read_text())]
+    assert not found, "relative imports (write them as `from tokenmill... import`):\n" + "\n".join(found)
+
+
+def test_relative_imports_are_flagged_and_resolved() -> None:
+    """The scanner itself: relative imports are flagged, and each resolves to the module it names
+    (from a module and from a package's __init__), so the room-order check still sees the edge."""
+    source = "import torch\nfrom tokenmill.kv import pool\nfrom . import batch\nif TYPE_CHECKING:\n" \
+             "    from ..engine.request import Request\n"
+    assert relative_imports(source) == ["3: from . import batch", "5: from ..engine.request import Request"]
+    nodes = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom)]
+    module, package = PACKAGE / "runner" / "memory.py", PACKAGE / "runner" / "__init__.py"
+    assert [absolute_module(module, n) for n in nodes] == ["tokenmill.kv", "tokenmill.runner", "tokenmill.engine.request"]
+    assert [absolute_module(package, n) for n in nodes] == ["tokenmill.kv", "tokenmill.runner", "tokenmill.engine.request"]

@@ -50,7 +50,8 @@ class CacheConfig:
     kv_cache_dtype: str = AUTO
     """auto = the model dtype; fp8 = FP8 E4M3 with per-layer scales (twice the tokens)."""
     calculate_kv_scales: bool | None = None
-    """FP8 KV scales from one calibration forward at start-up (tokenmill/runner/kv_scales.py).
+    """FP8 KV scales from one calibration forward at start-up (tokenmill/quantization/kv_scales.py,
+    the forward itself in tokenmill/runner/kv_calibration.py).
     None = calibrate the layers whose checkpoint has no k_scale / v_scale; True = calibrate every
     layer, replacing the checkpoint's; False = the checkpoint's, else 1.0 (vLLM's default).
     True needs kv_cache_dtype fp8."""

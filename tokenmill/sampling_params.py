@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from tokenmill.errors import InvalidRequestError
 
@@ -13,10 +14,15 @@ class StructuredOutputSpec:
 
     kind "json_object": any JSON object; "json_schema": JSON matching `value` (a schema as a
     JSON string); "regex" and "grammar" (EBNF/GBNF text) for callers that need them.
+
+    `compiled` is the grammar already compiled against the engine's vocabulary (the server
+    compiles it on a worker thread; the engine then only makes a matcher from it). Left None,
+    the engine compiles it in add_request.
     """
 
     kind: str
     value: str | None = None
+    compiled: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass

@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import CompletionOutput, RequestOutput
@@ -75,3 +77,39 @@ class ScriptedEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+
+
+class AnswerEngine(ScriptedEngine):
+    """A scripted engine the real server can serve (the model attributes a server reads, over a
+    real tokenizer): each request answers the `answer` set when it was added, `piece` characters
+    per step, and then stops ("stop", as at EOS)."""
+
+    def __init__(self, tokenizer: Any, answer: str = "", piece: int = 3) -> None:
+        super().__init__(step_seconds=0.0)
+        self.tokenizer, self.answer, self.piece = tokenizer, answer, piece
+        self.model_name = "scripted"
+        self.hf_config = SimpleNamespace(vocab_size=len(tokenizer))
+        self.source = SimpleNamespace(path="scripted")
+        self.config = SimpleNamespace(model=SimpleNamespace(max_model_len=4096))
+        self.answers: dict[str, str] = {}
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0,
+                    cache_salt: str | None = None) -> None:
+        super().add_request(request_id, prompt, SamplingParams(max_tokens=max(1, -(-len(self.answer) // self.piece))))
+        self.answers[request_id] = self.answer
+
+    def step(self) -> list[RequestOutput]:
+        while self.waiting:
+            request_id, steps = self.waiting.pop(0)
+            self.requests[request_id] = [steps, 0]
+        outputs = []
+        for rid, state in list(self.requests.items()):
+            state[1] += 1
+            done = state[1] >= state[0]
+            text = self.answers[rid][(state[1] - 1) * self.piece:state[1] * self.piece]
+            outputs.append(RequestOutput(rid, None, [1, 2], [CompletionOutput(
+                0, text, [100 + state[1]], finish_reason="stop" if done else None)], finished=done))
+            if done:
+                del self.requests[rid], self.answers[rid]
+        return outputs

@@ -99,6 +99,7 @@ def test_fuzz_operation(server: Any, api_schema: Any, method: str, path: str, ex
 
 
 def test_fuzz_covered_enough_and_server_healthy(server: Any) -> None:
+    """After the whole fuzz run the server is healthy, holds nothing, and still answers correctly."""
     total = sum(_counted.values())
     if not _counted:
         pytest.skip("the fuzz tests did not run in this session")
@@ -107,3 +108,7 @@ def test_fuzz_covered_enough_and_server_healthy(server: Any) -> None:
     assert httpx.get(f"{server.url}/health").status_code == 200
     stats = server.engine_stats()
     assert stats.num_running == 0 and stats.kv_blocks_used == 0
+    answer = server.client().chat.completions.create(
+        model=server.state.model_name, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=16, temperature=0)
+    assert "Paris" in answer.choices[0].message.content

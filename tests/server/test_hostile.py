@@ -126,8 +126,8 @@ OTHER_CASES: list[tuple[str, str, str | dict[str, Any], int]] = [
 ]
 
 
-def _post(server: Any, path: str, body: str | dict[str, Any], **kwargs: Any) -> httpx.Response:
-    content = body if isinstance(body, str) else json.dumps(body)  # ensure_ascii: surrogates become \ud83d escapes
+def _post(server: Any, path: str, body: bytes | str | dict[str, Any], **kwargs: Any) -> httpx.Response:
+    content = body if isinstance(body, bytes | str) else json.dumps(body)  # ensure_ascii: surrogates become \ud83d escapes
     return httpx.post(f"{server.url}{path}", content=content, headers={"content-type": "application/json",
                       **kwargs.pop("headers", {})}, timeout=TIMEOUT, **kwargs)
 
@@ -145,6 +145,50 @@ def test_lone_surrogates_are_refused_naming_the_field(server: Any, path: str, bo
     error = _error(_post(server, path, body), 400)
     assert error["param"] == field
     assert error["message"].startswith(f"{field}: the text is not valid Unicode")
+
+
+def raw_utf8(body: dict[str, Any]) -> bytes:
+    """The body with every character as raw bytes, not escaped: a lone surrogate becomes its three
+    bytes (`ED A0 BD`), as a client that encodes with `surrogatepass` (or in CESU-8) sends it."""
+    return json.dumps(body, ensure_ascii=False).encode("utf-8", "surrogatepass")
+
+
+@pytest.mark.parametrize("path,body,field", SURROGATE_CASES, ids=[c[2] + " " + c[0] for c in SURROGATE_CASES])
+def test_lone_surrogates_as_raw_bytes_are_refused_naming_the_field(server: Any, path: str, body: dict[str, Any],
+                                                                   field: str) -> None:
+    raw = raw_utf8(body)
+    assert b"\\u" not in raw and b"\xed" in raw
+    error = _error(_post(server, path, raw), 400)
+    assert error["param"] == field
+    assert error["message"].startswith(f"{field}: the text is not valid Unicode")
+
+
+RAW_CASES: list[tuple[str, bytes, int, str]] = [
+    # (name, body, status, start of the error message)
+    ("a whole character, raw", raw_utf8(chat(messages=[{"role": "user", "content": "Hi 😀 é"}])), 200, ""),
+    ("a UTF-8 BOM", b"\xef\xbb\xbf" + raw_utf8(chat()), 200, ""),
+    ("a pair in CESU-8", raw_utf8(chat(messages=[{"role": "user", "content": "Hi \ud83d\ude00"}])), 400,
+     "messages.0.content: the text is not valid Unicode"),
+    ("a byte that never starts UTF-8", json.dumps(chat()).encode().replace(b"Hi", b"H\xff"), 400,
+     "The request body is not valid UTF-8: byte 0xff at offset"),
+    ("latin-1 text", json.dumps(chat()).encode().replace(b"Hi", "café".encode("latin-1")), 400,
+     "The request body is not valid UTF-8: byte 0xe9 at offset"),
+    ("a truncated sequence", json.dumps(chat()).encode().replace(b"Hi", b"H\xe2\x82"), 400,
+     "The request body is not valid UTF-8: byte 0xe2 at offset"),
+    ("an overlong NUL", json.dumps(chat()).encode().replace(b"Hi", b"H\xc0\x80"), 400,
+     "The request body is not valid UTF-8: byte 0xc0 at offset"),
+    ("UTF-16", json.dumps(chat()).encode("utf-16"), 400, "The request body is not valid UTF-8"),
+]
+
+
+@pytest.mark.parametrize("name,body,status,message", RAW_CASES, ids=[c[0] for c in RAW_CASES])
+def test_raw_bytes(server: Any, name: str, body: bytes, status: int, message: str) -> None:
+    for path in ("/v1/chat/completions", "/tokenize"):
+        resp = _post(server, path, body)
+        if status == 200:
+            assert resp.status_code == 200, resp.text[:500]
+        else:
+            assert _error(resp, status)["message"].startswith(message)
 
 
 @pytest.mark.parametrize("name,path,body,status", OTHER_CASES, ids=[c[0] for c in OTHER_CASES])

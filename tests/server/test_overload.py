@@ -180,3 +180,82 @@ def test_access_log_has_one_line_per_request(server: Any, caplog: pytest.LogCapt
     assert '"POST /v1/completions" 200 prompt_tokens=' in lines[1] and streamed
     assert '"GET /v1/models/nope" 404 ' in lines[2] and "tokens" not in lines[2]
     assert all(line.endswith("s") and line.startswith("127.0.0.1:") for line in lines)
+
+
+def _compile_heavy(salt: str) -> dict[str, Any]:
+    """Cheap to check, seconds to compile: xgrammar's time grows with the square of the number of
+    optional properties (about 2 s for 650 here)."""
+    return {"type": "object", "properties": {f"{salt}_{i}": {"type": "string"} for i in range(650)}}
+
+
+def _check_heavy(salt: str) -> dict[str, Any]:
+    """Cheap to compile (nothing refers to its definitions), about a second for jsonschema to check."""
+    return {"type": "object", "properties": {"city": {"type": "string"}}, "$defs": {
+        f"{salt}_{i}": {"type": "object", "properties": {"x": {"type": "string", "minLength": 1}}} for i in range(2500)}}
+
+
+@pytest.mark.parametrize("schema,bound", [(_compile_heavy, 1 / 4), (_check_heavy, 1 / 2)],
+                         ids=["compile-heavy", "check-heavy"])
+def test_a_large_schema_stalls_neither_streams_nor_health(server: Any, schema: Any, bound: float) -> None:
+    """While a request with a large json_schema is checked and compiled (seconds), a running stream
+    keeps getting tokens and /health keeps answering, each gap a small part of that request's
+    time. Compiled again on the engine thread, the grammar held every stream for the whole compile
+    (about 2/5 of the request's time, which compiled twice); checked on the event loop, the schema
+    held everything for nearly all of it. (Checking is pure Python: a stream's steps slow down
+    while it runs on a worker thread, so that case's bound is looser.)"""
+    import uuid
+
+    model = server.state.model_name
+    warm = {"model": model, "messages": QUESTION, "max_tokens": 1, "response_format": {"type": "json_object"}}
+    assert httpx.post(f"{server.base_url}/chat/completions", json=warm, timeout=60).status_code == 200
+    body = {**warm, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "big", "schema": schema(uuid.uuid4().hex[:8])}}}  # new names: no compiled-grammar cache hit
+    arrivals: list[float] = []
+    flowing, stop = threading.Event(), threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{server.base_url}/completions", timeout=60, json={
+                "model": model, "prompt": "Count: 1, 2, 3,", "max_tokens": 3000, "stream": True,
+                "ignore_eos": True}) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append(time.perf_counter())
+                    flowing.set()
+                if stop.is_set():
+                    break  # closing the connection aborts the request
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    assert flowing.wait(60)
+    health: list[float] = []
+    done = threading.Event()
+
+    def probe() -> None:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            while not done.is_set():
+                started = time.perf_counter()
+                assert client.get("/health").status_code == 200
+                health.append(time.perf_counter() - started)
+                time.sleep(0.01)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    started = time.perf_counter()
+    answer = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=120)
+    took = time.perf_counter() - started
+    time.sleep(0.3)  # the stream's next token after a stall, if there was one
+    done.set()
+    stop.set()
+    prober.join(30)
+    streamer.join(60)
+    assert answer.status_code == 200, answer.text[:500]
+    during = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > started and a < started + took]
+    print(f"the large-schema request took {took:.2f} s; meanwhile the longest gap between streamed tokens was "
+          f"{max(during):.3f} s over {len(during)}, the slowest /health {max(health):.3f} s over {len(health)}")
+    assert took > 0.6, "the schema was checked and compiled too fast to tell"
+    assert len(during) >= 3 and max(during) < took * bound
+    assert len(health) >= 3 and max(health) < took / 4
+    assert server.engine._structured_output is None, "the engine thread compiled a grammar of its own"
+    deadline = time.monotonic() + 10
+    while server.engine_stats().num_running and time.monotonic() < deadline:
+        time.sleep(0.05)

@@ -121,3 +121,23 @@ def test_batched_bitmask(manager) -> None:
 def test_invalid_specs_are_request_errors(manager, spec: Spec) -> None:
     with pytest.raises(InvalidRequestError):
         manager.new_matcher(spec)
+
+
+def test_a_grammar_compiled_ahead_makes_the_same_matcher(manager, tokenizer) -> None:
+    """The server compiles on a worker thread and hands the engine the compiled grammar; a matcher
+    made from it admits what the manager's own does, and one for another vocabulary is refused."""
+    from dataclasses import replace
+
+    from tokenmill.engine.structured_output import matcher_for
+
+    spec = Spec("json_schema", json.dumps(SCHEMA))
+    compiled = replace(spec, compiled=manager.compile(spec))
+    assert compiled == spec and "compiled" not in repr(compiled)
+    ahead, own = matcher_for(compiled.compiled, manager.vocab_size), manager.new_matcher(spec)
+    for token in tokenizer.encode('{"city": "Oslo", "days": 2, "unit": "celsius"}', add_special_tokens=False):
+        assert torch.equal(ahead.allowed_token_mask(), own.allowed_token_mask())
+        ahead.accept_token(token)
+        own.accept_token(token)
+    assert ahead.is_completed()
+    with pytest.raises(ValueError, match="compiled for a vocabulary of"):
+        matcher_for(compiled.compiled, manager.vocab_size + 1)

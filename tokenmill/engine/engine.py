@@ -14,7 +14,7 @@ from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ScheduledBatch, Scheduler
 from tokenmill.engine.step_builder import build_step_input
-from tokenmill.engine.structured_output import StructuredOutputManager
+from tokenmill.engine.structured_output import StructuredOutputManager, matcher_for
 from tokenmill.errors import ConfigError, InvalidRequestError
 from tokenmill.kv.coordinator import KVCacheCoordinator
 from tokenmill.models.loader import load_hf_config, load_tokenizer, resolve_model
@@ -132,8 +132,10 @@ class LLMEngine:
         )
         if params.seed is not None:
             request.generator = self.runner.make_generator(params.seed)
-        if params.structured_output is not None:
-            request.grammar = self._grammars().new_matcher(params.structured_output)
+        spec = params.structured_output
+        if spec is not None:
+            request.grammar = (self._grammars().new_matcher(spec) if spec.compiled is None
+                               else matcher_for(spec.compiled, self.hf_config.vocab_size))
         if self.tokenizer is not None:
             self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params)
         self.requests[request_id] = request

@@ -2,8 +2,9 @@
 that may come next, so even a small model returns output that parses.
 
 Built on xgrammar, which compiles a grammar against the tokenizer's vocabulary once and then
-answers "which tokens are allowed now" with a bitmask in microseconds. The engine owns one
-manager (compiled grammars are cached by their text) and one matcher per constrained request.
+answers "which tokens are allowed now" with a bitmask in microseconds. Compiling can take
+seconds, so the server compiles on a worker thread and hands the engine the compiled grammar;
+the engine makes one matcher per constrained request (and compiles only for offline callers).
 """
 
 from __future__ import annotations
@@ -139,6 +140,13 @@ class StructuredOutputManager:
             raise InvalidRequestError(f"invalid {kind} for structured output: {message}") from exc
 
     def new_matcher(self, spec: StructuredOutputSpec) -> GrammarMatcher:
-        compiled = self.compile(spec)
-        matcher = self._xgr.GrammarMatcher(compiled)
-        return GrammarMatcher(matcher, self.vocab_size, self._xgr)
+        return matcher_for(self.compile(spec), self.vocab_size)
+
+
+def matcher_for(compiled: Any, vocab_size: int) -> GrammarMatcher:
+    """A matcher over a grammar compiled ahead (StructuredOutputSpec.compiled): microseconds."""
+    xgr = _import_xgrammar()
+    if compiled.tokenizer_info.vocab_size != vocab_size:
+        raise ValueError(f"the grammar was compiled for a vocabulary of {compiled.tokenizer_info.vocab_size} "
+                         f"tokens, not this model's {vocab_size}")
+    return GrammarMatcher(xgr.GrammarMatcher(compiled), vocab_size, xgr)

@@ -13,7 +13,10 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from tokenmill.numerics import FP8_E4M3 as FP8_DTYPE
 from tokenmill.numerics import FP8_E4M3_MAX
 
-__all__ = ["FP8_DTYPE", "FP8_E4M3_MAX"]
+__all__ = ["E4M3_MAX", "FP8_DTYPE", "FP8_E4M3_MAX"]
+
+E4M3_MAX = tl.constexpr(FP8_E4M3_MAX)
+"""FP8_E4M3_MAX for jitted code, which reads a module global only when it is a constexpr."""
 
 
 def interpreting() -> bool:

@@ -77,9 +77,8 @@ def plan_attention(
         if fp8_kv and on_gpu and not big_head:
             block_n, num_stages, max_splits = 128, 3, MAX_SPLITS // 2
         elif on_gpu and not big_head and num_requests == 1 and max_seq_len <= SHORT_DECODE_KEYS:
-            # Batch 1 at 136 / 248 keys (attention_bench.py --short-sweep): a step is a chain of
-            # memory round trips, and 128-key tiles make the chain shorter (11.3 / 11.7 us
-            # against 11.7 / 13.9 with 64-key tiles, cold L2).
+            # Batch 1 over few keys (attention_bench.py --short-sweep; figures in benchmarks/RESULTS.md):
+            # a step is a chain of memory round trips, and 128-key tiles make the chain shorter.
             block_n = 128
     else:
         target_rows = (64 if big_head else 128) if on_gpu else 32

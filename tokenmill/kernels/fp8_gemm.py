@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels._common import FP8_E4M3_MAX, interpreting, round_to_e4m3_grid
+from tokenmill.kernels._common import E4M3_MAX, FP8_E4M3_MAX, interpreting, round_to_e4m3_grid
 from tokenmill.kernels.few_row_mma import MMA_ROWS, few_row_mma, fp8_linear
 from tokenmill.kernels.gemv import MAX_ROWS, gemv
 from tokenmill.numerics import FP8_E4M3, ScaleBlock, dequantize_blocks
@@ -41,12 +41,12 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, group, stride_xm, stride_qm, stride
         ok = (k0 + tl.arange(0, BLOCK) < group) & (cols < K)
         amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + row * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)))
     top = tl.max(amax, 0)
-    scale = tl.where(top > 0, top / 448.0, 1.0)
+    scale = tl.where(top > 0, top / E4M3_MAX, 1.0)
     for k0 in range(0, group, BLOCK):
         cols = start + k0 + tl.arange(0, BLOCK)
         ok = (k0 + tl.arange(0, BLOCK) < group) & (cols < K)
         q = tl.load(x_ptr + row * stride_xm + cols, mask=ok, other=0.0).to(tl.float32) / scale
-        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+        q = tl.minimum(tl.maximum(q, -E4M3_MAX), E4M3_MAX)
         if EMULATE_ROUNDING:
             q = round_to_e4m3_grid(q)
         tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=ok)

@@ -12,7 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels._common import FP8_DTYPE, FP8_E4M3_MAX, interpreting, next_pow2, round_to_e4m3_grid
+from tokenmill.kernels._common import (
+    E4M3_MAX,
+    FP8_DTYPE,
+    FP8_E4M3_MAX,
+    interpreting,
+    next_pow2,
+    round_to_e4m3_grid,
+)
 
 
 def quantize_fp8_ref(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -48,7 +55,7 @@ def cache_value(x, scale, out_ty: tl.constexpr, QUANT: tl.constexpr, EMULATE_ROU
     """x as the cache stores it: for FP8, x / scale saturated at +-448."""
     if QUANT:
         # IEEE division (a plain / may be approximate on the GPU), rounding as the reference does.
-        x = tl.minimum(tl.maximum(tl.div_rn(x.to(tl.float32), scale), -448.0), 448.0)
+        x = tl.minimum(tl.maximum(tl.div_rn(x.to(tl.float32), scale), -E4M3_MAX), E4M3_MAX)
         if EMULATE_ROUNDING:
             x = round_to_e4m3_grid(x)
     return x.to(out_ty)

@@ -84,16 +84,3 @@ def budget_after_profile(total: int, peak: int, outside_torch: int, weight_bytes
             "raise --gpu-memory-utilization, lower --max-num-batched-tokens, or use a smaller or quantized model"
         )
     return budget
-
-
-def plan_num_blocks(budget: int, bytes_per_block: int, block_size: int, max_model_len: int) -> int:
-    num_blocks = budget // bytes_per_block
-    capacity = num_blocks * block_size
-    if capacity < max_model_len:
-        raise ConfigError(
-            f"the KV cache holds {capacity} tokens but --max-model-len is {max_model_len}: one request "
-            "could never fit; raise --kv-cache-bytes / --gpu-memory-utilization or lower --max-model-len"
-        )
-    logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB)", num_blocks, block_size, capacity,
-                num_blocks * bytes_per_block / 2**30)
-    return num_blocks

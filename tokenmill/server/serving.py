@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -94,7 +95,8 @@ class ServerState:
     request_log: RequestLog | None = None
     request_timeout: float | None = None  # seconds from arrival; None = no deadline
     _token_strs: dict[int, str] = field(default_factory=dict)
-    _grammar_checker: Any = None
+    _grammars: Any = None  # a StructuredOutputManager, made on first use
+    _grammars_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def model_name(self) -> str:
@@ -131,15 +133,18 @@ class ServerState:
             raise RequestTimeoutError(f"the request did not start within --request-timeout ({self.request_timeout:g} s)")
         return left
 
-    async def check_structured(self, spec: StructuredOutputSpec) -> None:
-        """Compiles the grammar once here, so a bad one is a 400 before the engine sees it."""
-        if self._grammar_checker is None:
-            from tokenmill.engine.structured_output import StructuredOutputManager
+    def compile_structured(self, spec: StructuredOutputSpec | None) -> StructuredOutputSpec | None:
+        """The spec with its grammar compiled, so that a bad grammar is a 400 before the engine sees
+        it and the engine thread (which every stream waits on) never compiles one. Blocking, for
+        seconds on a large schema: call it on a worker thread (see `asks_structured`)."""
+        if spec is None:
+            return None
+        with self._grammars_lock:
+            if self._grammars is None:
+                from tokenmill.engine.structured_output import StructuredOutputManager
 
-            self._grammar_checker = await asyncio.to_thread(
-                StructuredOutputManager, self.tokenizer, self.vocab_size
-            )
-        await asyncio.to_thread(self._grammar_checker.compile, spec)
+                self._grammars = StructuredOutputManager(self.tokenizer, self.vocab_size)
+        return replace(spec, compiled=self._grammars.compile(spec))
 
 
 def new_request_id(prefix: str) -> str:
@@ -165,6 +170,14 @@ def room_for_answer(state: ServerState, prompt_len: int, max_tokens: int | None)
             f"({max_tokens} > {state.max_model_len} - {prompt_len})."
         )
     return max_tokens
+
+
+def asks_structured(req: _SamplingFields) -> bool:
+    """Whether structured_from_request has work to do. That work (checking a JSON schema with
+    jsonschema, compiling its grammar with xgrammar) takes seconds for a large schema, so callers
+    run it on a worker thread: on the event loop it would hold up every request and /health."""
+    return any(field is not None for field in (
+        req.response_format, req.guided_json, req.guided_regex, req.guided_choice, req.guided_grammar))
 
 
 def structured_from_request(req: _SamplingFields) -> StructuredOutputSpec | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -27,6 +28,7 @@ from tokenmill.server.reasoning import ReasoningStream
 from tokenmill.server.serving import (
     SSE_DONE,
     ServerState,
+    asks_structured,
     build_sampling_params,
     chat_logprobs,
     new_request_id,
@@ -79,6 +81,12 @@ def _tool_setup(state: ServerState, req: ChatCompletionRequest) -> tuple[ToolPar
     return None, None
 
 
+def _structured_setup(state: ServerState, req: ChatCompletionRequest
+                      ) -> tuple[ToolParser | None, StructuredOutputSpec | None]:
+    tool_parser, tool_structured = _tool_setup(state, req)
+    return tool_parser, state.compile_structured(tool_structured or structured_from_request(req))
+
+
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Any:
     arrival = time.monotonic()
     model = state.check_model(req.model)
@@ -87,10 +95,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if req.chat_template is not None and not state.trust_request_chat_template:
         raise InvalidRequestError(
             "chat_template in a request is refused; start the server with --trust-request-chat-template")
-    tool_parser, tool_structured = _tool_setup(state, req)
-    structured = tool_structured or structured_from_request(req)
-    if structured is not None:
-        await state.check_structured(structured)
+    tool_parser, structured = None, None
+    if req.tools or req.tool_choice is not None or asks_structured(req):  # tool schemas too: off the loop
+        tool_parser, structured = await asyncio.to_thread(_structured_setup, state, req)
     tools_for_prompt = req.tools if req.tools and req.tool_choice != "none" else None
     prompt_text = await state.run(
         raw, state.renderer.render, req.messages, tools=tools_for_prompt, add_generation_prompt=req.add_generation_prompt,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.serving import (
     SSE_DONE,
     ServerState,
+    asks_structured,
     build_sampling_params,
     completion_logprobs,
     new_request_id,
@@ -79,9 +81,9 @@ async def _prompts(state: ServerState, req: CompletionRequest, raw: Request) -> 
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Any:
     arrival = time.monotonic()
     model = state.check_model(req.model)
-    structured = structured_from_request(req)
-    if structured is not None:
-        await state.check_structured(structured)
+    structured = None
+    if asks_structured(req):
+        structured = await asyncio.to_thread(lambda: state.compile_structured(structured_from_request(req)))
     prompts = await _prompts(state, req, raw)
     n = req.n or 1
     if len(prompts) * n > MAX_SEQUENCES:

@@ -1,21 +1,34 @@
 """Text from clients, checked at the edge: every string must be valid Unicode, and no error
 message quotes more than a short prefix of what a client sent.
 
-JSON can only carry a lone surrogate as a `\\uD800`-`\\uDFFF` escape (raw bytes that are not
-UTF-8 fail to parse), so bodies without such an escape skip the walk over the decoded value.
+A lone surrogate reaches a decoded body two ways: as a `\\uD800`-`\\uDFFF` escape, or as its
+three raw bytes (`ED A0 BD`: not UTF-8, but Python's `json.loads(bytes)` decodes them with
+`surrogatepass`). `decode_body` turns a body into text the same way and refuses any other bytes
+that are not UTF-8; every string decoded from that text then goes through `find_lone_surrogate`.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 MAX_QUOTED = 64  # characters of client text an error message may quote
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
-def may_hold_surrogates(body: bytes) -> bool:
-    return b"\\u" in body and _SURROGATE_ESCAPE.search(body) is not None  # `in` is a fast scan
+class NotUtf8(ValueError):
+    """A body whose bytes are not UTF-8 (other than encoded surrogates, which are named later)."""
+
+    def __init__(self, offset: int, byte: int) -> None:
+        super().__init__(f"The request body is not valid UTF-8: byte 0x{byte:02x} at offset {offset} "
+                         "(JSON text must be sent in UTF-8)")
+
+
+def decode_body(body: bytes) -> str:
+    """The body as text: UTF-8 with an optional BOM, encoded surrogates kept (as `json.loads` keeps
+    them) so that the field holding one can be named; any other invalid byte raises NotUtf8."""
+    try:
+        return body.decode("utf-8-sig", "surrogatepass")
+    except UnicodeDecodeError as error:
+        raise NotUtf8(error.start, body[error.start]) from None
 
 
 def lone_surrogate_at(text: str) -> int | None:
