@@ -348,6 +348,27 @@ def test_json_schema_response(server: Any, client: Any) -> None:
     assert isinstance(json.loads(resp.choices[0].message.content), dict)
 
 
+def test_a_grammar_over_the_limit_is_refused_before_compiling(server: Any, client: Any) -> None:
+    """A schema past --max-grammar-bytes is a 400 naming the flag (compiling one takes time that grows
+    steeply with its size); one under it is served."""
+    import openai
+
+    limit = server.state.max_grammar_bytes
+    properties = {f"field_{i}": {"type": "string"} for i in range(limit // 24)}
+    schema = {"type": "object", "properties": properties}
+    assert len(json.dumps(schema)) > limit
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=server.state.model_name, messages=QUESTION, max_tokens=4,
+            response_format={"type": "json_schema", "json_schema": {"name": "big", "schema": schema}})
+    assert "--max-grammar-bytes" in str(caught.value)
+    small = {"type": "object", "properties": dict(list(properties.items())[:8])}
+    resp = client.chat.completions.create(
+        model=server.state.model_name, messages=QUESTION, max_tokens=4,
+        response_format={"type": "json_schema", "json_schema": {"name": "small", "schema": small}})
+    assert resp.choices[0].finish_reason in ("stop", "length")
+
+
 def test_reasoning_parser(server: Any) -> None:
     """A second app on the same engine thread, with --reasoning-parser deepseek_r1."""
     from server_harness import start_server_on

@@ -91,6 +91,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     lim = parser.add_argument_group("limits (hostile or overloaded clients)")
     lim.add_argument("--max-request-bytes", type=_byte_size, default=8 * 2**20, metavar="BYTES",
                      help="largest request body, e.g. 8M; larger ones get 413 before they are parsed")
+    lim.add_argument("--max-grammar-bytes", type=_byte_size, default=32 * 2**10, metavar="BYTES",
+                     help="largest structured-output grammar (a JSON schema as sent, a regex, an EBNF grammar, the "
+                          "tools' schemas); larger ones get 400 (compiling one takes time that grows steeply with it)")
     lim.add_argument("--max-header-bytes", type=_byte_size, default=32 * 2**10, metavar="BYTES",
                      help="largest request line + headers; larger ones get 431")
     lim.add_argument("--max-waiting-requests", type=int, default=1024, metavar="N",
@@ -231,6 +234,7 @@ def build_server(args: argparse.Namespace, sock: socket.socket) -> Any:
         request_log_dir=args.log_requests_dir, request_timeout=args.request_timeout,
         tokenizer_workers=args.tokenizer_workers, max_waiting_requests=args.max_waiting_requests or None,
     )
+    state.max_grammar_bytes = args.max_grammar_bytes
     app = build_app(state, max_request_bytes=args.max_request_bytes, max_header_bytes=args.max_header_bytes,
                     access_log=args.access_log)
     config = uvicorn.Config(

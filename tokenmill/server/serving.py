@@ -94,6 +94,7 @@ class ServerState:
     trust_request_chat_template: bool = False
     request_log: RequestLog | None = None
     request_timeout: float | None = None  # seconds from arrival; None = no deadline
+    max_grammar_bytes: int = 32 * 2**10  # a structured-output grammar's source; compile time grows steeply past it
     _token_strs: dict[int, str] = field(default_factory=dict)
     _grammars: Any = None  # a StructuredOutputManager, made on first use
     _grammars_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -139,6 +140,10 @@ class ServerState:
         seconds on a large schema: call it on a worker thread (see `asks_structured`)."""
         if spec is None:
             return None
+        size = len((spec.value or "").encode("utf-8", "surrogatepass"))
+        if size > self.max_grammar_bytes:
+            raise InvalidRequestError(f"the structured-output grammar is {size} bytes; this server compiles at most "
+                                      f"{self.max_grammar_bytes} (--max-grammar-bytes)")
         with self._grammars_lock:
             if self._grammars is None:
                 from tokenmill.engine.structured_output import StructuredOutputManager
