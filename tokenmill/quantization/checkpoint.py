@@ -19,7 +19,7 @@ from typing import Any
 from tokenmill.errors import ConfigError
 from tokenmill.quantization.base import FusedMoEMethod, LinearMethod, QuantizationConfig
 from tokenmill.quantization.detect import QuantSpec
-from tokenmill.quantization.format_base import CheckpointFormat
+from tokenmill.quantization.format_base import CheckpointFormat, EngineChoices
 from tokenmill.quantization.registry import FORMATS
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 from tokenmill.quantization.unquantized_experts import UnquantizedFusedMoEMethod
@@ -46,9 +46,11 @@ class CheckpointQuantization(QuantizationConfig):
 
     name = "checkpoint"
 
-    def __init__(self, spec: QuantSpec, use_triton: bool = False, checkpoint_names: CheckpointNames | None = None) -> None:
+    def __init__(self, spec: QuantSpec, use_triton: bool = False, checkpoint_names: CheckpointNames | None = None,
+                 choices: EngineChoices = EngineChoices()) -> None:
         self.spec = spec
         self.use_triton = use_triton
+        self.choices = choices
         self.checkpoint_names = checkpoint_names or (lambda prefix: [prefix])
         self._formats: dict[str, CheckpointFormat] = {}
         for settings in [spec.settings] if spec.settings is not None else spec.layers.values():
@@ -63,8 +65,13 @@ class CheckpointQuantization(QuantizationConfig):
             if cls is None:
                 raise ConfigError(f"{settings.get('where', 'quant_algo')} = {algo!r}: this build of tokenmill does not "
                                   f"read {algo} layers; it reads {', '.join(FORMATS)} (and MIXED_PRECISION maps of them)")
-            self._formats[key] = cls.from_settings(settings, self.use_triton)
+            self._formats[key] = cls.from_settings(settings, self.use_triton, self.choices)
         return self._formats[key]
+
+    @property
+    def formats(self) -> list[CheckpointFormat]:
+        """Every format the checkpoint names."""
+        return list(self._formats.values())
 
     def format_of(self, module: str) -> CheckpointFormat | None:
         """The format of one checkpoint module (None: unquantized)."""
