@@ -143,6 +143,14 @@ def test_a_quantized_draft_model_loads_through_the_same_detection(checkpoints, f
             speculative_config={**spec, "quantization": "fp8"})
 
 
+def test_an_nvfp4_checkpoint_asked_for_w4a4_off_blackwell_fails_at_start_up(checkpoints) -> None:
+    directory = quantized(checkpoints, "llama", "nvfp4")
+    with pytest.raises(ConfigError, match="--nvfp4-mode w4a4 needs FP4 tensor cores .* this device is not a GPU"):
+        LLM(str(directory), device="cpu", max_model_len=64, kv_cache_bytes=1 << 20, nvfp4_mode="w4a4")
+    layer = LLM(str(directory), device="cpu", max_model_len=64, kv_cache_bytes=1 << 20).engine.runner.model.lm_head
+    assert layer.weight.dtype == torch.float32  # the head stays as the checkpoint stores it
+
+
 def test_exclude_keeps_matching_layers_in_the_checkpoint_dtype(checkpoints) -> None:
     directory = quantized(checkpoints, "llama", "fp8-block", "--exclude", "model.layers.1.*")
     tensors = load_file(str(directory / "model.safetensors"))
