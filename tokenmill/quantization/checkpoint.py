@@ -24,6 +24,9 @@ from tokenmill.quantization.registry import FORMATS
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 from tokenmill.quantization.unquantized_experts import UnquantizedFusedMoEMethod
 
+ROUTERS = ("*.gate", "*.shared_expert_gate")
+"""Model modules of MoE routers and one-row gates: on-load quantization leaves them as they are."""
+
 CheckpointNames = Callable[[str], list[str]]
 """A model module's path -> the checkpoint modules whose tensors load into it (none: a tied head)."""
 

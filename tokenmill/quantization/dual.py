@@ -35,7 +35,7 @@ from tokenmill.quantization.base import (
     QuantizationConfig,
     Shard,
 )
-from tokenmill.quantization.checkpoint import CheckpointQuantization, excluded
+from tokenmill.quantization.checkpoint import ROUTERS, CheckpointQuantization, excluded
 from tokenmill.quantization.mxfp8 import MxFp8Config, MxFp8Encoder
 from tokenmill.quantization.nvfp4 import W4A16, Nvfp4LinearMethod
 from tokenmill.quantization.nvfp4_checkpoint import Nvfp4Config, Nvfp4Encoder
@@ -45,7 +45,7 @@ from tokenmill.quantization.scaled_fp8_experts import ScaledFp8FusedMoEMethod
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 from tokenmill.quantization.unquantized_experts import UnquantizedFusedMoEMethod
 
-KEEP = ("lm_head", "*.gate", "*.shared_expert_gate")
+KEEP = ("lm_head", *ROUTERS)
 """Layers of a high-precision checkpoint that keep one copy, unquantized: the head and the MoE routers."""
 
 Encode = Callable[[torch.Tensor], dict[str, torch.Tensor]]
