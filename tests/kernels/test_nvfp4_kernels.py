@@ -152,3 +152,43 @@ def test_refusals() -> None:
         fused_experts(x, w13, w2, weights, ids, scales=ExpertScales(s13, s2, (1, 16), (1, 16)))
     with pytest.raises(ValueError, match="NVFP4 experts need H and I multiples of 16, got H = 64, I = 8"):
         fused_experts(x, w13, w2, weights, ids, scales=ExpertScales(s13, s2, (1, 16), (1, 16), r13, r2))
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("device", [on_cpu(id="interpreter"), on_gpu(id="cuda")])
+def test_the_methods_run_the_kernels_as_their_references_multiply(mode: str, device: str) -> None:
+    """Linear and experts methods with use_triton (the kernels) against the same layers on the
+    reference path: the checkpoint's tensors reach the kernels as the reference reads them."""
+    from tokenmill.layers.linear import Linear
+    from tokenmill.layers.moe.fused_moe import FusedMoE
+    from tokenmill.quantization.format_base import EngineChoices
+    from tokenmill.quantization.nvfp4_checkpoint import Nvfp4Config, Nvfp4Encoder
+
+    settings = {"quant_algo": "NVFP4"}
+    gen = torch.Generator().manual_seed(4)
+    layers = []
+    for use_triton in (True, False):
+        fmt = Nvfp4Config.from_settings(settings, use_triton, EngineChoices((10, 0), mode))
+        torch.manual_seed(0)
+        linear = Linear(64, [32, 16], bias=True, method=fmt.linear_method("qkv_proj"), dtype=torch.bfloat16)
+        experts = FusedMoE(4, 64, 32, method=fmt.experts_method("mlp.experts"), dtype=torch.bfloat16)
+        layers.append((linear.to(device), experts.to(device)))
+    for i, rows in enumerate([32, 16]):
+        tensors = Nvfp4Encoder().encode("", torch.randn(rows, 64, generator=gen) * 4**i,
+                                        {"input_amax": torch.tensor(3.0 + i)})
+        for linear, _ in layers:
+            for suffix, tensor in tensors.items():
+                getattr(linear, suffix).weight_loader(getattr(linear, suffix), tensor.to(device), i)
+    for e in range(4):
+        for projection, shape, stack in (("gate", (32, 64), "w13"), ("up", (32, 64), "w13"), ("down", (64, 32), "w2")):
+            tensors = Nvfp4Encoder().encode("", torch.randn(shape, generator=gen), {"input_amax": torch.tensor(1.0)})
+            for _, experts in layers:
+                for suffix, tensor in tensors.items():
+                    param = getattr(experts, stack if suffix == "weight" else f"{stack}_{suffix}")
+                    param.weight_loader(param, tensor.to(device), (e, projection))
+    x = torch.randn(5, 64, generator=gen).to(device, torch.bfloat16)
+    (kernel_linear, kernel_experts), (ref_linear, ref_experts) = layers
+    assert_close_rows(kernel_linear(x), ref_linear(x).float(), torch.bfloat16)
+    ids = torch.randint(4, (5, 2), generator=gen, dtype=torch.int32).to(device)
+    weights = torch.rand(5, 2, generator=gen).to(device)
+    assert_close_rows(kernel_experts(x, weights, ids), ref_experts(x, weights, ids).float(), torch.bfloat16)

@@ -167,6 +167,36 @@ def test_the_engine_sizes_both_copies_and_picks_one_per_step(tmp_path: Path, arc
     assert len(out) == 4
     assert {name for name, tokens in calls if tokens >= 41} == {"fp8"} and {"nvfp4"} == {n for n, t in calls if t < 41}
     assert [t for name, t in calls if name == "fp8"] == [60, 60]
+    if source == "nvfp4":  # steps below the threshold multiply exactly what the NVFP4-only engine does
+        single = LLM(str(tmp_path / "nvfp4"), device="cpu", max_model_len=128, kv_cache_bytes=1 << 22)
+        short = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        assert llm.generate([prompt[:30]], short)[0].outputs == single.generate([prompt[:30]], short)[0].outputs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_nvfp4_and_dual_weights_on_cuda_replay_their_graphs(tmp_path: Path, arch: str) -> None:
+    """On CUDA the NVFP4 kernels (and the dual model's FP8 prefill) run inside the decode graphs:
+    graphs give the eager engine's greedy tokens, and a dual model's short prompts the
+    NVFP4-only model's."""
+    save_tiny_checkpoint(arch, tmp_path / "hp")
+    quantize_checkpoint(QuantizeRequest(str(tmp_path / "hp"), "nvfp4", tmp_path / "nvfp4", calibration_tokens=32,
+                                        progress=False))
+    common = dict(device="cuda", dtype="bfloat16", max_model_len=256, kv_cache_bytes=1 << 24)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 320, (n,), generator=gen).tolist() for n in (5, 17, 30, 120)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tokens, alone = {}, {}
+    for name, options in (("graphs", {}), ("eager", {"enforce_eager": True}), ("dual", {"dual_weights": "nvfp4+fp8"})):
+        llm = LLM(str(tmp_path / "nvfp4"), **common, **options)
+        assert llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.method.use_triton
+        tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        # One short prompt at a time: every step has fewer than 41 tokens.
+        alone[name] = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts[:3]]
+    assert tokens["graphs"] == tokens["eager"] and alone["graphs"] == alone["eager"]
+    assert alone["dual"] == alone["graphs"]  # steps below the threshold never touch the FP8 copy
+    assert all(len(t) == 16 for t in tokens["dual"])
 
 
 def test_dual_weights_refuse_other_checkpoints_and_uneven_columns() -> None:
