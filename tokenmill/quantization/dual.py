@@ -131,7 +131,7 @@ class DualLinearMethod(LinearMethod):
         self.prefix = prefix
         self.use_triton = use_triton
         self.processed = False
-        self.name = f"dual ({first.name} below {threshold} tokens, else {second.name})"
+        self.name = f"dual (nvfp4 below {threshold} tokens, else {second.name})"
 
     def create_weights(self, layer: LinearLayer, dtype: torch.dtype, device: torch.device | str | None) -> None:
         for fmt in (NVFP4_COPY, self.second_format):
@@ -198,7 +198,7 @@ class DualFusedMoEMethod(FusedMoEMethod):
         self.prefix = prefix
         self.use_triton = use_triton
         self.processed = False
-        self.name = f"dual experts ({first.name} below {threshold} tokens, else {second.name})"
+        self.name = f"dual experts (nvfp4 below {threshold} tokens, else {second.name})"
 
     def create_weights(self, layer: ExpertsLayer, dtype: torch.dtype, device: torch.device | str | None) -> None:
         for fmt in (NVFP4_COPY, self.second_format):
