@@ -4,7 +4,8 @@ on an H200):
 - nvfp4-linears: Llama-3.1-8B's projections as NVFP4 through the W4A16 kernel, each first
   checked against its reference: M = 1 (a CUDA graph of the call) against the bytes it reads
   (E2M1 codes, E4M3 scales, a float32 row scale: ~4.5 bits a weight) over the copy bandwidth;
-  M = 2048 against the bf16 matmul rate (W4A16 multiplies in bf16).
+  M = 2048 against the bf16 matmul rate (W4A16 multiplies in bf16). With --nvfp4-sweep, every
+  tile of SWEEP too (rows "tile ..."), for kernels/nvfp4.nvfp4_tile.
 - nvfp4-decode: the whole engine, Llama-3.1-8B shape with random NVFP4 weights (head kept bf16),
   batch-1 decode after a 128-token prompt against the roofline of the bytes a token reads.
   Target >= 80 %.
@@ -29,6 +30,11 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
           "lm_head": (128256, 4096)}
 SMOKE_SHAPES = {"qkv": (96, 128), "down": (64, 256)}
 NVFP4_CONFIG = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": ["lm_head"]}
+SWEEP = {1: [(16, 128, 4, 4), (16, 256, 4, 4), (32, 256, 4, 4), (64, 256, 4, 4), (32, 512, 4, 3), (64, 128, 4, 6),
+             (128, 128, 8, 4), (32, 256, 8, 4)],
+         2048: [(64, 128, 4, 4, 64), (128, 128, 8, 3, 128), (128, 64, 8, 4, 128), (128, 128, 8, 4, 64),
+                (64, 128, 4, 3, 128), (128, 256, 8, 2, 128)]}
+"""(block_n, block_k, warps, stages[, block_m]) tried per row count with --nvfp4-sweep."""
 
 
 def random_nvfp4(rows: int, k: int, device: torch.device, lead: tuple[int, ...] = ()):
@@ -39,7 +45,8 @@ def random_nvfp4(rows: int, k: int, device: torch.device, lead: tuple[int, ...] 
     return packed, scale, row_scale
 
 
-def nvfp4_linears(device: torch.device, ceiling: dict[str, float], smoke: bool, timed) -> list[dict]:
+def nvfp4_linears(device: torch.device, ceiling: dict[str, float], smoke: bool, timed, sweep: bool = False) -> list[dict]:
+    from tokenmill.kernels.gemv import GemvTile
     from tokenmill.kernels.nvfp4 import nvfp4_linear, nvfp4_linear_ref
 
     rows_out = []
@@ -47,17 +54,23 @@ def nvfp4_linears(device: torch.device, ceiling: dict[str, float], smoke: bool, 
         packed, scale, row_scale = random_nvfp4(n, k, device)
         for m in (1, 24 if smoke else 2048):
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            got = nvfp4_linear(x, packed, scale, row_scale).float()
             ref = nvfp4_linear_ref(x, packed, scale, row_scale)
-            error = ((got - ref).abs().max() / ref.abs().max()).item()
-            seconds = timed(lambda: nvfp4_linear(x, packed, scale, row_scale), device)
-            if m == 1:
-                nbytes = packed.numel() + scale.numel() + 4 * n
-                value, ceiling_value, unit = nbytes / seconds, ceiling["copy_bytes_per_s"] / 2, "GB/s read"
-            else:
-                value, ceiling_value, unit = 2 * m * n * k / seconds, ceiling["bf16_flops"], "TFLOP/s"
-            rows_out.append({"part": "nvfp4-linears", "what": f"nvfp4 {name} {n}x{k} M={m}", "value": value,
-                             "unit": unit, "ceiling": ceiling_value, "ratio": value / ceiling_value, "rel_error": error})
+            tiles = [None] + ([(GemvTile(*t[:4]), t[4] if len(t) > 4 else 16) for t in SWEEP[m]] if sweep and not smoke
+                              else [])
+            for tile in tiles:
+                got = nvfp4_linear(x, packed, scale, row_scale, tile=tile).float()
+                error = ((got - ref).abs().max() / ref.abs().max()).item()
+                seconds = timed(lambda: nvfp4_linear(x, packed, scale, row_scale, tile=tile), device)
+                if m == 1:
+                    nbytes = packed.numel() + scale.numel() + 4 * n
+                    value, ceiling_value, unit = nbytes / seconds, ceiling["copy_bytes_per_s"] / 2, "GB/s read"
+                else:
+                    value, ceiling_value, unit = 2 * m * n * k / seconds, ceiling["bf16_flops"], "TFLOP/s"
+                label = "" if tile is None else f" tile {tile[0].block_n},{tile[0].block_k},{tile[0].num_warps}," \
+                                                 f"{tile[0].num_stages} bm {tile[1]}"
+                rows_out.append({"part": "nvfp4-linears", "what": f"nvfp4 {name} {n}x{k} M={m}{label}", "value": value,
+                                 "unit": unit, "ceiling": ceiling_value, "ratio": value / ceiling_value,
+                                 "rel_error": error})
     return rows_out
 
 

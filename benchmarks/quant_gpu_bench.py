@@ -217,13 +217,14 @@ def moe(device: torch.device, ceiling: dict[str, float], smoke: bool) -> list[di
     return rows_out
 
 
-def nvfp4_rows(device: torch.device, ceiling: dict[str, float], smoke: bool, parts: set[str]) -> list[dict]:
+def nvfp4_rows(device: torch.device, ceiling: dict[str, float], smoke: bool, parts: set[str],
+               sweep: bool = False) -> list[dict]:
     import nvfp4_parts
 
     rates = (lambda llm: _decode_rate(llm, smoke), lambda llm, tokens: _prefill_rate(llm, tokens, smoke))
     rows = []
     if "nvfp4-linears" in parts:
-        rows += nvfp4_parts.nvfp4_linears(device, ceiling, smoke, timed)
+        rows += nvfp4_parts.nvfp4_linears(device, ceiling, smoke, timed, sweep)
     if "nvfp4-decode" in parts:
         rows += nvfp4_parts.nvfp4_decode(device, ceiling, smoke, rates)
     if "nvfp4-moe" in parts:
@@ -240,6 +241,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts of {', '.join(PARTS)}")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--nvfp4-sweep", action="store_true", help="nvfp4-linears: every tile of nvfp4_parts.SWEEP too")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     parts = set(args.only.split(","))
@@ -255,7 +257,7 @@ def main() -> int:
         rows += engine(device, ceiling, args.smoke, parts)
     if "moe" in parts:
         rows += moe(device, ceiling, args.smoke)
-    rows += nvfp4_rows(device, ceiling, args.smoke, parts)
+    rows += nvfp4_rows(device, ceiling, args.smoke, parts, args.nvfp4_sweep)
     print(f"ceilings: copy {ceiling['copy_bytes_per_s'] / 1e9:.0f} GB/s, FP8 matmul {ceiling['fp8_flops'] / 1e12:.0f} "
           f"TFLOP/s, bf16 matmul {ceiling['bf16_flops'] / 1e12:.0f} TFLOP/s")
     for row in rows:
