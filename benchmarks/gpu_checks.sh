@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a CUDA machine: the GPU-marked tests, then the benchmarks. Output also goes to $OUT if set.
-#   bash benchmarks/gpu_checks.sh [tests|attention|engine|quick|moe|moe-engine|mla|kimi]...   (default: tests attention engine)
+#   bash benchmarks/gpu_checks.sh [tests|attention|engine|quick|moe|moe-engine|mla|kimi|nvfp4]...   (default: tests attention engine)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp}
@@ -16,6 +16,11 @@ for part in "${@:-tests attention engine}"; do
       quick) python3 benchmarks/gpu_bench.py --quick 2>&1 | tee "$out/gpu_bench_quick.log" ;;
       moe) python3 benchmarks/moe_bench.py --sweep --json "$out/moe_bench.json" 2>&1 | tee "$out/moe_bench.log" ;;
       moe-engine) python3 benchmarks/moe_gpu_bench.py --json "$out/moe_gpu_bench.json" 2>&1 | tee "$out/moe_gpu_bench.log" ;;
+      nvfp4) python3 -m pytest -q -rP -m gpu -p no:cacheprovider tests/kernels/test_nvfp4_kernels.py \
+               tests/kernels/test_fp8_experts_kernels.py tests/quantization/test_dual_weights.py 2>&1 | tee "$out/nvfp4_gpu_tests.log"
+             for q in nvfp4-linears nvfp4-decode nvfp4-moe dual-prefill; do
+               python3 benchmarks/quant_gpu_bench.py --only $q --json "$out/quant_$q.json" 2>&1 | tee "$out/quant_$q.log"
+             done ;;
       mla) python3 -m pytest -q -rP -m gpu -p no:cacheprovider tests/kernels/test_mla_kernels.py tests/kernels/test_mla_layer.py tests/models/test_deepseek.py 2>&1 | tee "$out/mla_gpu_tests.log"
            python3 benchmarks/mla_bench.py --json "$out/mla_bench.json" 2>&1 | tee "$out/mla_bench.log"
            python3 benchmarks/mla_engine_bench.py --json "$out/mla_engine_bench.json" 2>&1 | tee "$out/mla_engine_bench.log" ;;

@@ -1,7 +1,11 @@
-"""FP8-element checkpoint formats on one GPU, each figure beside its ceiling measured in the same run.
+"""Quantized checkpoint formats on one GPU, each figure beside its ceiling measured in the same run.
 
-    python benchmarks/quant_gpu_bench.py [--only ceilings,linears,decode,prefill,moe] [--json out.json]
+    python benchmarks/quant_gpu_bench.py [--only linears,decode,prefill,moe,nvfp4-linears,nvfp4-decode,nvfp4-moe,
+                                                 dual-prefill] [--json out.json]
     python benchmarks/quant_gpu_bench.py --smoke    # tiny shapes on the CPU (Triton's interpreter): checks the script
+
+The NVFP4 parts (nvfp4-linears, nvfp4-decode, nvfp4-moe, dual-prefill) are described in
+benchmarks/nvfp4_parts.py.
 
 Ceilings: device copy bandwidth (bytes read + written), the FP8 matmul rate (torch._scaled_mm with
 row-wise scales at 2048 x 4096 x 4096 and 2048 x 14336 x 4096) and the bf16 matmul rate.
@@ -213,13 +217,36 @@ def moe(device: torch.device, ceiling: dict[str, float], smoke: bool) -> list[di
     return rows_out
 
 
+def nvfp4_rows(device: torch.device, ceiling: dict[str, float], smoke: bool, parts: set[str],
+               sweep: bool = False) -> list[dict]:
+    import nvfp4_parts
+
+    rates = (lambda llm: _decode_rate(llm, smoke), lambda llm, tokens: _prefill_rate(llm, tokens, smoke))
+    rows = []
+    if "nvfp4-linears" in parts:
+        rows += nvfp4_parts.nvfp4_linears(device, ceiling, smoke, timed, sweep)
+    if "nvfp4-decode" in parts:
+        rows += nvfp4_parts.nvfp4_decode(device, ceiling, smoke, rates)
+    if "nvfp4-moe" in parts:
+        rows += nvfp4_parts.nvfp4_moe(device, ceiling, smoke, timed)
+    if "dual-prefill" in parts:
+        rows += nvfp4_parts.dual_prefill(device, ceiling, smoke, rates)
+    return rows
+
+
+PARTS = ("linears", "decode", "prefill", "moe", "nvfp4-linears", "nvfp4-decode", "nvfp4-moe", "dual-prefill")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="linears,decode,prefill,moe")
+    parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts of {', '.join(PARTS)}")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--nvfp4-sweep", action="store_true", help="nvfp4-linears: every tile of nvfp4_parts.SWEEP too")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     parts = set(args.only.split(","))
+    if parts - set(PARTS):
+        parser.error(f"unknown parts {sorted(parts - set(PARTS))}; choose from {', '.join(PARTS)}")
     device = torch.device("cpu" if args.smoke else "cuda")
     torch.manual_seed(0)
     ceiling = ceilings(device, args.smoke)
@@ -230,12 +257,13 @@ def main() -> int:
         rows += engine(device, ceiling, args.smoke, parts)
     if "moe" in parts:
         rows += moe(device, ceiling, args.smoke)
+    rows += nvfp4_rows(device, ceiling, args.smoke, parts, args.nvfp4_sweep)
     print(f"ceilings: copy {ceiling['copy_bytes_per_s'] / 1e9:.0f} GB/s, FP8 matmul {ceiling['fp8_flops'] / 1e12:.0f} "
           f"TFLOP/s, bf16 matmul {ceiling['bf16_flops'] / 1e12:.0f} TFLOP/s")
     for row in rows:
         scale = 1e12 if row["unit"] == "TFLOP/s" else 1e9 if row["unit"].startswith("GB") else 1
         error = f"  max rel err {row['rel_error']:.1e}" if "rel_error" in row else ""
-        print(f"{row['part']:>8} | {row['what']:<36} | {row['value'] / scale:10.2f} {row['unit']:<9} | "
+        print(f"{row['part']:>13} | {row['what']:<46} | {row['value'] / scale:10.2f} {row['unit']:<9} | "
               f"{100 * row['ratio']:6.1f}% of {row['ceiling'] / scale:.1f}{error}")
     if args.json:
         args.json.write_text(json.dumps({"ceilings": ceiling, "rows": rows}, indent=2))

@@ -16,6 +16,8 @@ from tokenmill.errors import ConfigError
 
 AUTO = "auto"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+NVFP4_MODES = (AUTO, "w4a16", "w4a4")
+DUAL_WEIGHTS = ("nvfp4+fp8", "nvfp4+mxfp8")
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,21 @@ class ModelConfig:
     load_format: str = "auto"
     """auto = read the checkpoint's weights; dummy = random weights of the checkpoint's shapes
     (seeded), for benchmarks where only config.json exists."""
+    nvfp4_mode: str = AUTO
+    """NVFP4 checkpoints: w4a16 = weights decoded in the kernels, activations in the model dtype;
+    w4a4 = activations quantized per 16 under the checkpoint's input scales (Blackwell's FP4
+    MMAs: sm_100, sm_120, sm_121; refused on other devices and for W4A16_NVFP4 checkpoints);
+    auto = w4a4 on Blackwell for a checkpoint with input scales, else w4a16."""
+    dual_weights: str | None = None
+    """Two copies of the quantized layers, picked per step by its number of tokens: nvfp4+fp8 or
+    nvfp4+mxfp8 = an NVFP4 copy for steps of fewer than dual_weights_threshold tokens (decode,
+    bound by the bytes read) and an FP8 (one scale per row; W8A8 prefill on Hopper) or MXFP8 copy
+    for larger steps (prefill, bound by the matmuls). The copies come from the checkpoint: an
+    NVFP4 checkpoint's second copy is its dequantized NVFP4 weights quantized again at load (it
+    carries NVFP4's error and the second rounding's); a high-precision checkpoint is quantized to
+    both at load. Both copies stay in memory. None = one copy."""
+    dual_weights_threshold: int = 41
+    """With dual_weights: the fewest tokens of a step that runs on the second copy."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -256,6 +273,12 @@ class EngineConfig:
             raise ConfigError(f"unknown --attention-backend {backend!r}; use torch, triton or auto")
         if backend == "triton" and not device.startswith("cuda"):
             raise ConfigError("--attention-backend triton needs CUDA; use --attention-backend torch on CPU")
+        if self.model.nvfp4_mode not in NVFP4_MODES:
+            raise ConfigError(f"unknown --nvfp4-mode {self.model.nvfp4_mode!r}; use {', '.join(NVFP4_MODES)}")
+        if self.model.dual_weights is not None and self.model.dual_weights not in DUAL_WEIGHTS:
+            raise ConfigError(f"unknown --dual-weights {self.model.dual_weights!r}; use {' or '.join(DUAL_WEIGHTS)}")
+        if self.model.dual_weights_threshold < 2:
+            raise ConfigError("--dual-weights-threshold must be at least 2 tokens")
         if self.model.load_format not in ("auto", "dummy"):
             raise ConfigError(f"unknown --load-format {self.model.load_format!r}; use auto or dummy")
         if sched.policy not in ("fcfs", "priority"):
@@ -321,6 +344,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--seed", type=int, default=0, help="seed of the global sampling RNG")
     m.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy = seeded random weights of the checkpoint's shapes (benchmarks)")
+    m.add_argument("--nvfp4-mode", default=AUTO, choices=NVFP4_MODES,
+                   help="NVFP4 checkpoints: w4a16 = activations in the model dtype (weights decoded in the kernels); "
+                        "w4a4 = activations quantized per 16 under the input scales (Blackwell only); auto = w4a4 "
+                        "on Blackwell for a checkpoint with input scales, else w4a16")
+    m.add_argument("--dual-weights", default=None, choices=DUAL_WEIGHTS,
+                   help="keep an NVFP4 copy of the quantized layers for steps of fewer than --dual-weights-threshold "
+                        "tokens and an FP8 (per row) or MXFP8 copy for bigger steps, both in memory; an NVFP4 "
+                        "checkpoint's second copy is made from its dequantized weights (NVFP4's error plus a "
+                        "second rounding), a high-precision checkpoint is quantized to both at load")
+    m.add_argument("--dual-weights-threshold", type=int, default=41,
+                   help="with --dual-weights: the fewest tokens of a step that uses the second copy")
 
     c = parser.add_argument_group("KV cache")
     c.add_argument("--block-size", type=int, default=16, help="tokens per KV block")

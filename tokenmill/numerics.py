@@ -8,6 +8,9 @@ for bit:
 - E8M0: a power-of-two scale stored as its biased exponent in a uint8 (MX formats): 2^(e - 127).
 - E2M1 (FP4): NVFP4's elements, sign bit 3 + magnitude index bits 0-2, two per byte along K
   with element 2i in the low nibble.
+- NVFP4: E2M1 elements, one E4M3 scale per NVFP4_GROUP of them along K and a float32 global
+  scale over them (per tensor; per output row once fused shards are stacked):
+  x = e2m1 * scale * global, in that order in float32 (`quantize_nvfp4`, `dequantize_nvfp4`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # below an even code (0.75, 1.75, 3.5) round up and the others down.
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _E2M1_TIES_UP = (False, True, False, True, False, True, False)
+
+NVFP4_GROUP = 16
+"""Elements along K that share one E4M3 scale in NVFP4."""
+NVFP4_SCALE_MIN = 2.0**-9
+"""The smallest E4M3 value above zero (a subnormal): NVFP4 block scales are clamped to it."""
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES: dict[str, torch.dtype] = {"fp8": FP8_E4M3}
@@ -123,3 +131,31 @@ def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlo
     factors = scales_as_float(scale).repeat_interleave(rows, dim=-2)[..., :n, :]
     factors = factors.repeat_interleave(cols, dim=-1)[..., :k] if cols else factors
     return weight.float() * factors
+
+
+def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The global scale that maps amax to the largest NVFP4 value, 6 * 448: amax / 2688 (1.0
+    for all-zero values)."""
+    amax = amax.float()
+    return torch.where(amax > 0, amax / (E2M1_MAX * FP8_E4M3_MAX), torch.ones_like(amax))
+
+
+def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] (K a multiple of NVFP4_GROUP) -> (packed E2M1 codes uint8 [..., K / 2], E4M3
+    scales [..., K / 16]) under global_scale (float32, broadcast over the rows: 0-d or [..., 1]):
+    each group's scale is its amax / (6 * global) clamped to [2^-9, 448] and rounded to E4M3,
+    each element x / (scale * global) rounded to E2M1 (nearest, ties to even, saturating)."""
+    if x.shape[-1] % NVFP4_GROUP:
+        raise ValueError(f"NVFP4 takes whole groups of {NVFP4_GROUP} along the last dimension, got {x.shape[-1]}")
+    groups = x.float().unflatten(-1, (-1, NVFP4_GROUP))
+    g = global_scale.float()[..., None]
+    scale = (groups.abs().amax(dim=-1) / (E2M1_MAX * g[..., 0])).clamp(NVFP4_SCALE_MIN, FP8_E4M3_MAX).to(FP8_E4M3)
+    codes = e2m1_encode(groups / (scale.float()[..., None] * g))
+    return pack_nibbles(codes.flatten(-2)), scale
+
+
+def dequantize_nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | float) -> torch.Tensor:
+    """packed codes [..., K / 2], E4M3 scales [..., K / 16] and a float32 global scale (0-d, or
+    [..., N, 1] per row) -> float32 [..., K]: (e2m1 * scale) * global."""
+    values = e2m1_decode(unpack_nibbles(packed))
+    return values * scale.float().repeat_interleave(NVFP4_GROUP, dim=-1) * global_scale

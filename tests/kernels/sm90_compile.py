@@ -24,6 +24,7 @@ import triton
 from sm90_fp8_variants import fp8_variants  # beside this script
 from sm90_gdn_variants import gdn_variants  # beside this script
 from sm90_moe_variants import moe_variants  # beside this script
+from sm90_nvfp4_variants import nvfp4_variants  # beside this script
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -241,11 +242,12 @@ def stack_bytes(kernel) -> int | None:
 def main(quick: bool = False) -> int:
     failures = 0
     variants = list(attention_variants()) + list(other_variants()) + list(moe_variants()) + list(mla_variants())
-    variants += list(gdn_variants()) + list(qsa_variants()) + list(fp8_variants())
+    variants += list(gdn_variants()) + list(qsa_variants()) + list(fp8_variants()) + list(nvfp4_variants())
     if quick:  # CI: the Llama-shaped bf16 and fp8 attention, the small and MoE kernels, MLA decode and verification
         variants = [v for v in variants if "H=32/8" in v[0] and v[0].startswith("attention bf16")] + list(other_variants())
         variants += list(moe_variants(quick=True)) + [v for v in mla_variants() if v[0] in QUICK_MLA]
         variants += list(gdn_variants(quick=True)) + list(qsa_variants()) + list(fp8_variants(quick=True))
+        variants += list(nvfp4_variants(quick=True))
     for label, fn, types, consts, warps, stages in variants:
         try:
             kernel = compile_variant(fn, types, consts, warps, stages)

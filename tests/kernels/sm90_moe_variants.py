@@ -10,11 +10,14 @@ from tokenmill.kernels.moe.grouped_gemm import _down_kernel, _gate_up_kernel, gr
 from tokenmill.kernels.moe.routing import _route_kernel, route_launch_config
 
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
-NO_SCALES = dict(HAS_SCALE=False, SCALE_ROWS=1, SCALE_COLS=0, E8M0=False)
-# FP8 experts: one scale per row, 128 x 128 blocks (I = 768 is 6 blocks), MX groups of 32.
-FP8_SCALES = {"fp8 rows": ("fp32", dict(HAS_SCALE=True, SCALE_ROWS=1, SCALE_COLS=0, E8M0=False)),
-              "fp8 block128": ("fp32", dict(HAS_SCALE=False, SCALE_ROWS=128, SCALE_COLS=128, E8M0=False)),
-              "mxfp8": ("u8", dict(HAS_SCALE=False, SCALE_ROWS=1, SCALE_COLS=32, E8M0=True))}
+NO_SCALES = dict(HAS_SCALE=False, SCALE_ROWS=1, SCALE_COLS=0, E8M0=False, FP4=False)
+# FP8 experts: one scale per row, 128 x 128 blocks (I = 768 is 6 blocks), MX groups of 32; NVFP4
+# experts: packed uint8 weights, E4M3 scales per 16 and a float32 scale per row.
+FP8_SCALES = {"fp8 rows": ("fp8e4nv", "fp32", dict(HAS_SCALE=True, SCALE_ROWS=1, SCALE_COLS=0, E8M0=False, FP4=False)),
+              "fp8 block128": ("fp8e4nv", "fp32", dict(HAS_SCALE=False, SCALE_ROWS=128, SCALE_COLS=128, E8M0=False,
+                                                       FP4=False)),
+              "mxfp8": ("fp8e4nv", "u8", dict(HAS_SCALE=False, SCALE_ROWS=1, SCALE_COLS=32, E8M0=True, FP4=False)),
+              "nvfp4": ("u8", "fp8e4nv", dict(HAS_SCALE=True, SCALE_ROWS=1, SCALE_COLS=16, E8M0=False, FP4=True))}
 
 
 def moe_variants(quick: bool = False):
@@ -33,8 +36,7 @@ def moe_variants(quick: bool = False):
     yield "moe align count", _count_kernel, ints, dict(CHUNK=CHUNK, BINS=256), 4, 1
     yield "moe align starts", _starts_kernel, ints, dict(BLOCK_M=64, BLOCK_E=128), 4, 1
     yield "moe align place", _place_kernel, ints, dict(CHUNK=CHUNK), 4, 1
-    weights = [("bf16", "bf16", NO_SCALES)] + [("fp8e4nv", scale_type, scaling) for scale_type, scaling in
-                                              FP8_SCALES.values()]
+    weights = [("bf16", "bf16", NO_SCALES)] + list(FP8_SCALES.values())
     labels = ["bf16", *FP8_SCALES]
     for label, (weight, scale_type, scaling) in zip(labels, weights):
         if quick and label == "fp8 rows":
@@ -42,7 +44,7 @@ def moe_variants(quick: bool = False):
         for tokens in (64, 2048) if quick or label != "bf16" else (64, 2048, 8192):
             gate_up, down = grouped_tiles(tokens * TOP_K, EXPERTS)
             types = {"x_ptr": "*bf16", "w_ptr": f"*{weight}", "act_ptr": "*bf16", "weights_ptr": "*fp32",
-                     "out_ptr": "*bf16", "s_ptr": f"*{scale_type}", **ints}
+                     "out_ptr": "*bf16", "s_ptr": f"*{scale_type}", "r_ptr": "*fp32", **ints}
             common = dict(BLOCK_E=EXPERTS, EVEN_K=True, UPCAST=False, IEEE=False, **scaling)
             yield (f"moe grouped gate-up T={tokens} {label}", _gate_up_kernel, types,
                    dict(TOP_K=TOP_K, BLOCK_M=gate_up.block_m, BLOCK_N=gate_up.block_n, BLOCK_K=gate_up.block_k, **common),
@@ -52,7 +54,7 @@ def moe_variants(quick: bool = False):
                    down.num_warps, down.num_stages)
         gate_up, down = few_row_tiles()
         types = {"x_ptr": "*bf16", "w_ptr": f"*{weight}", "ids_ptr": "*i32", "act_ptr": "*bf16", "weights_ptr": "*fp32",
-                 "out_ptr": "*bf16", "s_ptr": f"*{scale_type}"}
+                 "out_ptr": "*bf16", "s_ptr": f"*{scale_type}", "r_ptr": "*fp32"}
         common = dict(TOP_K=TOP_K, BLOCK_S=FEW_ROWS * TOP_K, ROWS=FEW_ROWS, EVEN_K=True, UPCAST=False, IEEE=False,
                       **scaling)
         yield (f"moe few-row gate-up T={FEW_ROWS} {label}", _few_row_gate_up_kernel, types,

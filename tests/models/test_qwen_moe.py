@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 from tiny_models import TINY_MOE_CONFIGS, save_tiny_checkpoint
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.errors import ConfigError, ModelLoadError
+from tokenmill.errors import ModelLoadError
 from tokenmill.layers.mlp import GatedMLP
-from tokenmill.layers.moe import SparseMoeBlock
+from tokenmill.layers.moe import SparseMoeBlock, fused_experts_ref
 
 # Model parity runs in float32 on the CPU, where it is exact. In bf16 a tiny random router's top-k
 # flips at near-ties, so a bf16 decode step may pick other experts than float32's (seen on the
@@ -73,13 +73,27 @@ def test_checkpoint_missing_one_expert_is_refused(tmp_path: Path) -> None:
         moe_llm(tmp_path)
 
 
-def test_fp8_on_load_refuses_moe_experts(tmp_path: Path) -> None:
-    """FP8 weights are for linear layers only so far: a MoE draft with quantization fp8 is refused
-    at start-up, not silently left unquantized."""
+def test_fp8_on_load_quantizes_a_moe_drafts_experts(tmp_path: Path) -> None:
+    """A MoE draft with quantization fp8: its routed experts become FP8 rows (each expert
+    projection's rows their own scales) and multiply as their dequantized weights do; the routers
+    stay in the checkpoint's dtype; speculative greedy decoding stays lossless."""
     save_tiny_checkpoint("qwen3_moe", tmp_path)
-    with pytest.raises(ConfigError, match="'fp8' has no method for the routed experts .*model.layers.0.mlp.experts"):
-        moe_llm(tmp_path, speculative_config={"method": "draft_model", "model": str(tmp_path), "quantization": "fp8",
-                                              "num_speculative_tokens": 2})
+    spec = {"method": "draft_model", "model": str(tmp_path), "quantization": "fp8", "num_speculative_tokens": 2}
+    llm = moe_llm(tmp_path, speculative_config=spec)
+    block = llm.engine.proposer.draft.model.model.layers[0].mlp
+    experts = block.experts
+    assert experts.w13.dtype == experts.w2.dtype == torch.float8_e4m3fn and experts.w13_weight_scale.shape == (8, 64, 1)
+    assert block.gate.weight.dtype == torch.float32
+    w13, w2 = experts.dequantized_weights()
+    original = load_file(tmp_path / "model.safetensors")["model.layers.0.mlp.experts.3.up_proj.weight"]
+    assert (w13[3, 32:] - original).abs().max() <= original.abs().amax(1).max() / 16
+    x = torch.randn(5, 64)
+    weights, ids = torch.rand(5, 2), torch.randint(8, (5, 2), dtype=torch.int32)
+    torch.testing.assert_close(experts(x, weights, ids), fused_experts_ref(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-6)
+    prompt = [[5, 17, 99, 3, 250, 42]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = moe_llm(tmp_path).generate(prompt, params)[0].outputs[0].token_ids
+    assert llm.generate(prompt, params)[0].outputs[0].token_ids == plain
 
 
 @pytest.mark.gpu

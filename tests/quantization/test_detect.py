@@ -8,6 +8,9 @@ import pytest
 from tokenmill.errors import ConfigError
 from tokenmill.quantization.checkpoint import CheckpointQuantization, excluded
 from tokenmill.quantization.detect import read_quant_spec
+from tokenmill.quantization.format_base import EngineChoices
+from tokenmill.quantization.nvfp4 import Nvfp4LinearMethod
+from tokenmill.quantization.nvfp4_experts import Nvfp4FusedMoEMethod
 from tokenmill.quantization.scaled_fp8 import ScaledFp8LinearMethod
 from tokenmill.quantization.scaled_fp8_experts import ScaledFp8FusedMoEMethod
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
@@ -107,11 +110,54 @@ def test_mixed_precision_maps_mxfp8_experts_beside_a_bf16_body() -> None:
         quant(None, mixed(partial)).experts_method("model.layers.0.mlp.experts")
 
 
-def test_an_nvfp4_layer_fails_closed_until_its_format_is_registered() -> None:
-    layers = {"model.layers.0.self_attn.q_proj": {"quant_algo": "NVFP4", "group_size": 16}}
-    with pytest.raises(ConfigError, match=r"quantized_layers\['model.layers.0.self_attn.q_proj'\].quant_algo = 'NVFP4': "
-                                          "this build of tokenmill does not read NVFP4 layers"):
-        quant(None, mixed(layers))
+# hf_quant_config.json of a ModelOpt NVFP4 export, and the config.json form of the same
+MODELOPT_NVFP4_FILE = {"producer": {"name": "modelopt", "version": "0.39.0"},
+                       "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+                                        "exclude_modules": ["lm_head"]}}
+MODELOPT_NVFP4_CONFIG = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": ["lm_head"],
+                         "producer": {"name": "modelopt", "version": "0.39.0"}}
+
+
+@pytest.mark.parametrize("config,file,algo,activations", [
+    (None, MODELOPT_NVFP4_FILE, "NVFP4", "w4a16"),
+    (MODELOPT_NVFP4_CONFIG, None, "NVFP4", "w4a16"),
+    (MODELOPT_NVFP4_CONFIG, MODELOPT_NVFP4_FILE, "NVFP4", "w4a16"),
+    (None, {"quantization": {"quant_algo": "W4A16_NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}},
+     "W4A16_NVFP4", "w4a16"),
+], ids=["file", "config", "both", "w4a16-nvfp4"])
+def test_nvfp4_checkpoints_quantize_the_body_and_experts(config, file, algo, activations) -> None:
+    q = quant(config, file)
+    assert q.name == algo
+    method = q.linear_method("model.layers.0.self_attn.qkv_proj")
+    assert isinstance(method, Nvfp4LinearMethod) and method.activations == activations
+    assert method.input_scales == (algo == "NVFP4")
+    assert isinstance(q.experts_method("model.layers.0.mlp.experts"), Nvfp4FusedMoEMethod)
+    assert isinstance(q.linear_method("lm_head"), UnquantizedLinearMethod)
+
+
+def test_mixed_precision_maps_nvfp4_beside_fp8_mxfp8_and_bf16_layers() -> None:
+    attention = {f"model.layers.0.self_attn.{p}_proj": {"quant_algo": "NVFP4", "group_size": 16} for p in "qkv"}
+    experts = {f"model.layers.0.mlp.experts.{e}.{p}": {"quant_algo": "MXFP8"} for e in range(2)
+               for p in ("gate_proj", "up_proj", "down_proj")}
+    layers = {**attention, **experts, "model.layers.0.self_attn.o_proj": {"quant_algo": "FP8"}}
+    q = quant(None, mixed(layers))
+    assert q.name == "FP8+MXFP8+NVFP4"
+    assert isinstance(q.linear_method("model.layers.0.self_attn.qkv_proj"), Nvfp4LinearMethod)
+    assert isinstance(q.linear_method("model.layers.0.self_attn.o_proj"), ScaledFp8LinearMethod)
+    assert isinstance(q.experts_method("model.layers.0.mlp.experts"), ScaledFp8FusedMoEMethod)
+    assert isinstance(q.linear_method("model.layers.1.mlp.down_proj"), UnquantizedLinearMethod)
+    del attention["model.layers.0.self_attn.v_proj"]
+    with pytest.raises(ConfigError, match=r"qkv_proj fuses checkpoint layers stored in different formats .*v_proj: "
+                                          "unquantized"):
+        quant(None, mixed({**attention, **experts})).linear_method("model.layers.0.self_attn.qkv_proj")
+
+
+def test_the_nvfp4_mode_reaches_the_format() -> None:
+    spec = read_quant_spec(None, MODELOPT_NVFP4_FILE)
+    blackwell = CheckpointQuantization(spec, choices=EngineChoices((10, 0)))
+    assert blackwell.linear_method("o_proj").activations == "w4a4"
+    with pytest.raises(ConfigError, match="--nvfp4-mode w4a4 needs FP4 tensor cores"):
+        CheckpointQuantization(spec, choices=EngineChoices((9, 0), "w4a4"))
 
 
 @pytest.mark.parametrize(
@@ -119,6 +165,8 @@ def test_an_nvfp4_layer_fails_closed_until_its_format_is_registered() -> None:
     [
         ({"quant_method": "awq", "bits": 4}, None, r"config.json quantization_config.quant_method = 'awq' is not supported"),
         ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, None, "format = 'pack-quantized'"),
+        ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}, None,
+         "format = 'nvfp4-pack-quantized' is not supported.*NVFP4: a ModelOpt export"),
         ({**CT_FP8_DYNAMIC, "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int"}}}}, None,
          r"group_0.weights = .* tokenmill reads 8-bit float weights"),
         ({**DEEPSEEK_V3, "weight_block_size": [64, 64]}, None, r"weight_block_size = \[64, 64\] is not supported"),

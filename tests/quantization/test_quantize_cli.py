@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 from tokenmill.cli import main
 from tokenmill.errors import ConfigError
 from tokenmill.llm import LLM
-from tokenmill.numerics import MX_GROUP, dequantize_blocks
+from tokenmill.numerics import MX_GROUP, dequantize_blocks, dequantize_nvfp4
 from tokenmill.quantize.writer import QuantizeRequest, quantize_checkpoint
 from tokenmill.sampling_params import SamplingParams
 
@@ -30,7 +30,9 @@ CONFIGS = {
                                 num_experts_per_tok=2, head_dim=16, norm_topk_prob=True, tie_word_embeddings=False),
 }
 FORMATS = {"fp8": ("weight_scale", (1, 0)), "fp8-block": ("weight_scale_inv", (128, 128)),
-           "mxfp8": ("weight_scale", (1, MX_GROUP))}
+           "mxfp8": ("weight_scale", (1, MX_GROUP)), "nvfp4": ("weight_scale_2", None)}
+SCALES = (".weight_scale", ".weight_scale_inv", ".weight_scale_2", ".input_scale")
+ERROR_BOUND = {"fp8": 2**-4, "fp8-block": 2**-4, "mxfp8": 2**-4, "nvfp4": 0.2}  # of each weight's amax
 PROMPTS = [[1, 5, 9, 200, 17], [3] * 11]
 
 
@@ -62,7 +64,10 @@ def on_disk_dequantized(directory: Path, fmt: str) -> dict[str, torch.Tensor]:
     tensors = load_file(str(directory / "model.safetensors"))
     out = {}
     for name, tensor in tensors.items():
-        if name.endswith(f".{scale_name}"):
+        if name.endswith(f".{scale_name}") and block is None:  # NVFP4: e2m1 * weight_scale * weight_scale_2
+            module = name.removesuffix(f".{scale_name}")
+            out[module] = dequantize_nvfp4(tensors[f"{module}.weight"], tensors[f"{module}.weight_scale"], tensor)
+        elif name.endswith(f".{scale_name}"):
             module = name.removesuffix(f".{scale_name}")
             scale = tensor.reshape(-1, 1) if tensor.dim() < 2 else tensor
             out[module] = dequantize_blocks(tensors[f"{module}.weight"], scale.expand(tensors[f"{module}.weight"].shape[0], -1)
@@ -72,9 +77,8 @@ def on_disk_dequantized(directory: Path, fmt: str) -> dict[str, torch.Tensor]:
 
 def dequantized_oracle(directory: Path, fmt: str, out: Path) -> Path:
     """The same checkpoint with every quantized layer stored as its dequantized float32 weight."""
-    scale_name, _ = FORMATS[fmt]
     tensors = load_file(str(directory / "model.safetensors"))
-    weights = {name: t for name, t in tensors.items() if not name.endswith((f".{scale_name}", ".input_scale"))}
+    weights = {name: t for name, t in tensors.items() if not name.endswith(SCALES)}
     weights.update({f"{module}.weight": w for module, w in on_disk_dequantized(directory, fmt).items()})
     out.mkdir(exist_ok=True)
     save_file(weights, str(out / "model.safetensors"))
@@ -99,7 +103,7 @@ def test_quantized_checkpoint_generates_as_its_dequantized_weights(checkpoints, 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_on_disk_format_round_trips_bit_for_bit(checkpoints, fmt: str) -> None:
     """The loaded engine's weights (fused q/k/v and gate/up, stacked experts) equal what the
-    stored tensors dequantize to, and the encoding stays within E4M3's error of the original."""
+    stored tensors dequantize to, and the encoding stays within its format's error of the original."""
     directory = quantized(checkpoints, "qwen3_moe", fmt)
     stored = on_disk_dequantized(directory, fmt)
     model = LLM(str(directory), device="cpu", max_model_len=64, kv_cache_bytes=1 << 20).engine.runner.model
@@ -114,27 +118,37 @@ def test_on_disk_format_round_trips_bit_for_bit(checkpoints, fmt: str) -> None:
     original = load_file(str(checkpoints["qwen3_moe"] / "model.safetensors"))
     for module, weight in stored.items():
         error = (weight - original[f"{module}.weight"]).abs().max()
-        assert error <= original[f"{module}.weight"].abs().max() * 2**-4, module
+        assert error <= original[f"{module}.weight"].abs().max() * ERROR_BOUND[fmt], module
     assert "lm_head.weight" in load_file(str(directory / "model.safetensors"))  # the head is kept
 
 
-def test_draft_mode_quantizes_a_tied_head_on_the_quantized_body(checkpoints) -> None:
-    directory = quantized(checkpoints, "llama-tied", "fp8", "--draft")
+@pytest.mark.parametrize("fmt,dtype", [("fp8", torch.float8_e4m3fn), ("nvfp4", torch.uint8)])
+def test_draft_mode_quantizes_a_tied_head_on_the_quantized_body(checkpoints, fmt: str, dtype: torch.dtype) -> None:
+    directory = quantized(checkpoints, "llama-tied", fmt, "--draft")
     tensors = load_file(str(directory / "model.safetensors"))
     config = json.loads((directory / "config.json").read_text())
-    assert config["tie_word_embeddings"] is False and tensors["lm_head.weight"].dtype == torch.float8_e4m3fn
+    assert config["tie_word_embeddings"] is False and tensors["lm_head.weight"].dtype == dtype
     assert tensors["lm_head.input_scale"] > 0 and "model.embed_tokens.weight" in tensors
-    assert greedy(directory) == greedy(dequantized_oracle(directory, "fp8", directory.parent / "tied-oracle"))
+    assert greedy(directory) == greedy(dequantized_oracle(directory, fmt, directory.parent / f"tied-oracle-{fmt}"))
 
 
-def test_a_quantized_draft_model_loads_through_the_same_detection(checkpoints) -> None:
-    draft = quantized(checkpoints, "llama", "mxfp8")
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_a_quantized_draft_model_loads_through_the_same_detection(checkpoints, fmt: str) -> None:
+    draft = quantized(checkpoints, "llama", fmt)
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
     llm = LLM(str(checkpoints["llama"]), device="cpu", max_model_len=128, kv_cache_bytes=1 << 22, speculative_config=spec)
     assert llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0))[0].outputs[0].token_ids
-    with pytest.raises(ConfigError, match=r"the draft checkpoint is already quantized \(MXFP8\); drop \"quantization\""):
+    with pytest.raises(ConfigError, match=rf"the draft checkpoint is already quantized \({fmt.upper()}.*\); drop"):
         LLM(str(checkpoints["llama"]), device="cpu", max_model_len=128, kv_cache_bytes=1 << 22,
             speculative_config={**spec, "quantization": "fp8"})
+
+
+def test_an_nvfp4_checkpoint_asked_for_w4a4_off_blackwell_fails_at_start_up(checkpoints) -> None:
+    directory = quantized(checkpoints, "llama", "nvfp4")
+    with pytest.raises(ConfigError, match="--nvfp4-mode w4a4 needs FP4 tensor cores .* this device is not a GPU"):
+        LLM(str(directory), device="cpu", max_model_len=64, kv_cache_bytes=1 << 20, nvfp4_mode="w4a4")
+    layer = LLM(str(directory), device="cpu", max_model_len=64, kv_cache_bytes=1 << 20).engine.runner.model.lm_head
+    assert layer.weight.dtype == torch.float32  # the head stays as the checkpoint stores it
 
 
 def test_exclude_keeps_matching_layers_in_the_checkpoint_dtype(checkpoints) -> None:
@@ -145,9 +159,9 @@ def test_exclude_keeps_matching_layers_in_the_checkpoint_dtype(checkpoints) -> N
     assert greedy(directory) == greedy(dequantized_oracle(directory, "fp8-block", directory.parent / "exclude-oracle"))
 
 
-def test_refusals_say_what_to_change(checkpoints, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    assert main(["quantize", str(checkpoints["llama"]), "--format", "nvfp4", "--out", str(tmp_path / "x")]) == 2
-    assert "--format nvfp4: this build of tokenmill has no nvfp4 encoder" in capsys.readouterr().err
+def test_refusals_say_what_to_change(checkpoints, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--format int4: this build of tokenmill has no int4 encoder"):
+        quantize_checkpoint(QuantizeRequest(str(checkpoints["llama"]), "int4", tmp_path / "x"))
     with pytest.raises(ConfigError, match="is already quantized; quantize its high-precision original"):
         quantize_checkpoint(QuantizeRequest(str(quantized(checkpoints, "llama", "fp8")), "mxfp8", tmp_path / "y"))
     odd = LlamaConfig(**{**COMMON, "hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1},
@@ -155,6 +169,10 @@ def test_refusals_say_what_to_change(checkpoints, tmp_path: Path, capsys: pytest
     AutoModelForCausalLM.from_config(odd).save_pretrained(tmp_path / "odd")
     with pytest.raises(ConfigError, match=r"down_proj: 80 input columns are not a multiple of 32.*--exclude"):
         quantize_checkpoint(QuantizeRequest(str(tmp_path / "odd"), "mxfp8", tmp_path / "z", progress=False,
+                                            calibration_tokens=8))
+    AutoModelForCausalLM.from_config(LlamaConfig(**COMMON, intermediate_size=72)).save_pretrained(tmp_path / "odd16")
+    with pytest.raises(ConfigError, match=r"down_proj: 72 input columns are not a multiple of 16, which NVFP4 needs"):
+        quantize_checkpoint(QuantizeRequest(str(tmp_path / "odd16"), "nvfp4", tmp_path / "w", progress=False,
                                             calibration_tokens=8))
 
 

@@ -59,6 +59,11 @@ class LinearMethod(ABC):
     def process_weights_after_loading(self, layer: LinearLayer) -> None:
         """Called once after every checkpoint tensor is in place (idempotent)."""
 
+    def extra_weight_bytes(self, layer: LinearLayer) -> int:
+        """Bytes that process_weights_after_loading adds to the parameters create_weights made (a
+        second copy of the weight): start-up sizes the model with them. Called on a meta layer."""
+        return 0
+
     @abstractmethod
     def apply(self, layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T + bias."""
@@ -96,6 +101,10 @@ class FusedMoEMethod(ABC):
 
     def process_weights_after_loading(self, layer: ExpertsLayer) -> None:
         """Called once after every checkpoint tensor is in place (idempotent)."""
+
+    def extra_weight_bytes(self, layer: ExpertsLayer) -> int:
+        """As LinearMethod.extra_weight_bytes."""
+        return 0
 
     @abstractmethod
     def apply(

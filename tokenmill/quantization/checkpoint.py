@@ -19,10 +19,13 @@ from typing import Any
 from tokenmill.errors import ConfigError
 from tokenmill.quantization.base import FusedMoEMethod, LinearMethod, QuantizationConfig
 from tokenmill.quantization.detect import QuantSpec
-from tokenmill.quantization.format_base import CheckpointFormat
+from tokenmill.quantization.format_base import CheckpointFormat, EngineChoices
 from tokenmill.quantization.registry import FORMATS
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 from tokenmill.quantization.unquantized_experts import UnquantizedFusedMoEMethod
+
+ROUTERS = ("*.gate", "*.shared_expert_gate")
+"""Model modules of MoE routers and one-row gates: on-load quantization leaves them as they are."""
 
 CheckpointNames = Callable[[str], list[str]]
 """A model module's path -> the checkpoint modules whose tensors load into it (none: a tied head)."""
@@ -46,9 +49,11 @@ class CheckpointQuantization(QuantizationConfig):
 
     name = "checkpoint"
 
-    def __init__(self, spec: QuantSpec, use_triton: bool = False, checkpoint_names: CheckpointNames | None = None) -> None:
+    def __init__(self, spec: QuantSpec, use_triton: bool = False, checkpoint_names: CheckpointNames | None = None,
+                 choices: EngineChoices = EngineChoices()) -> None:
         self.spec = spec
         self.use_triton = use_triton
+        self.choices = choices
         self.checkpoint_names = checkpoint_names or (lambda prefix: [prefix])
         self._formats: dict[str, CheckpointFormat] = {}
         for settings in [spec.settings] if spec.settings is not None else spec.layers.values():
@@ -63,8 +68,13 @@ class CheckpointQuantization(QuantizationConfig):
             if cls is None:
                 raise ConfigError(f"{settings.get('where', 'quant_algo')} = {algo!r}: this build of tokenmill does not "
                                   f"read {algo} layers; it reads {', '.join(FORMATS)} (and MIXED_PRECISION maps of them)")
-            self._formats[key] = cls.from_settings(settings, self.use_triton)
+            self._formats[key] = cls.from_settings(settings, self.use_triton, self.choices)
         return self._formats[key]
+
+    @property
+    def formats(self) -> list[CheckpointFormat]:
+        """Every format the checkpoint names."""
+        return list(self._formats.values())
 
     def format_of(self, module: str) -> CheckpointFormat | None:
         """The format of one checkpoint module (None: unquantized)."""

@@ -121,7 +121,7 @@ def _compressed_tensors(config: Mapping[str, Any]) -> QuantSpec:
     fmt = config.get("format")
     if fmt not in ("float-quantized", "naive-quantized"):
         raise ConfigError(f"{CONFIG_JSON}.format = {fmt!r} is not supported; tokenmill reads compressed-tensors "
-                          "float-quantized (FP8) checkpoints")
+                          "float-quantized (FP8) checkpoints (NVFP4: a ModelOpt export, whose weight_scale_2 multiplies)")
     groups = config.get("config_groups") or {}
     schemes = {_ct_scheme(name, group) for name, group in groups.items()}
     if len(schemes) != 1:

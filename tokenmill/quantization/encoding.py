@@ -23,9 +23,10 @@ Calibration = Mapping[str, torch.Tensor]
 
     "input_amax"   the largest |x| entering the layer over the calibration text (always given;
                    a static activation scale derives from it, e.g. input_scale = amax / 448)
-    "weight_amax"  given for layers whose per-tensor weight scale must be shared with others:
-                   the largest |w| over the group (a MoE expert's gate and up projections, which
-                   NVFP4 stores with one weight_scale_2); absent: the weight's own amax
+    "weight_amax"  given for layers whose per-tensor weight scale is shared with others: the
+                   largest |w| over the group (the shards of a fused projection, q/k/v or gate/up,
+                   and a MoE expert's gate and up, which ModelOpt's NVFP4 stores with one
+                   weight_scale_2); absent: the weight's own amax
 """
 
 
@@ -46,6 +47,8 @@ class CheckpointEncoder(ABC):
     quant_algo: str
     """The format's name in the checkpoint's config and the key of its reader in
     quantization/registry.py FORMATS, e.g. "FP8"."""
+    column_group: int = 1
+    """Input columns that share a scale and must divide K (MXFP8: 32, NVFP4: 16)."""
 
     @abstractmethod
     def encode(self, name: str, weight: torch.Tensor, calibration: Calibration) -> dict[str, torch.Tensor]:

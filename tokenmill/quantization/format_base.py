@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.errors import ConfigError
@@ -20,6 +21,19 @@ FormatSettings = Mapping[str, Any]
 ...), and "where": the config file and field they were read from, for messages."""
 
 
+NVFP4_MODES = ("auto", "w4a16", "w4a4")
+
+
+@dataclass(frozen=True)
+class EngineChoices:
+    """What the engine brings to a checkpoint's formats beside the checkpoint's own settings."""
+
+    capability: tuple[int, int] | None = None
+    """The CUDA device's compute capability, e.g. (9, 0); None: no GPU (the reference paths)."""
+    nvfp4_mode: str = "auto"
+    """One of NVFP4_MODES (config.ModelConfig.nvfp4_mode)."""
+
+
 class CheckpointFormat(QuantizationConfig):
     """A quantized checkpoint format (registered by its quant_algo in quantization/registry.py)."""
 
@@ -27,7 +41,8 @@ class CheckpointFormat(QuantizationConfig):
 
     @classmethod
     @abstractmethod
-    def from_settings(cls, settings: FormatSettings, use_triton: bool) -> CheckpointFormat:
+    def from_settings(cls, settings: FormatSettings, use_triton: bool,
+                      choices: EngineChoices = EngineChoices()) -> CheckpointFormat:
         """The format for these settings; ConfigError (naming settings["where"] and the field) for
         settings it cannot honour."""
 

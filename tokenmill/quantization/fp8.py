@@ -1,9 +1,11 @@
 """FP8 E4M3 weights with one float32 scale per output row (weight-only: x stays in its dtype).
 
 Row n of the real weight = weight[n] * weight_scale[n]. `Fp8OnLoad` quantizes a high-precision
-checkpoint as it loads (a draft model's `quantization: fp8`). On CUDA the few-row kernels read
-the FP8 bytes for any number of rows (the FMA kernel up to its MAX_ROWS, the tensor-core kernel
-past them); elsewhere the weight is widened for the call a slab of rows at a time.
+checkpoint as it loads (a draft model's `quantization: fp8`), routed experts too (each expert's
+gate, up and down rows their own scales). On CUDA the few-row kernels read the FP8 bytes for any
+number of rows (the FMA kernel up to its MAX_ROWS, the tensor-core kernel past them), and the
+MoE kernels the FP8 experts with their row scales; elsewhere the weight is widened for the call
+a slab of rows (or one expert) at a time.
 """
 
 from __future__ import annotations
@@ -11,10 +13,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.numerics import FP8_E4M3, FP8_E4M3_MAX
-from tokenmill.quantization.base import LinearLayer, LinearMethod, QuantizationConfig
+from tokenmill.numerics import FP8_E4M3, FP8_E4M3_MAX, dequantize_blocks
+from tokenmill.quantization.base import ExpertsLayer, FusedMoEMethod, LinearLayer, LinearMethod
+from tokenmill.quantization.checkpoint import ROUTERS, excluded
 from tokenmill.quantization.scaled_fp8 import dequantized_linear
+from tokenmill.quantization.scaled_fp8_experts import DequantizedExperts
 from tokenmill.quantization.unquantized import Unquantized, UnquantizedLinearMethod
+from tokenmill.quantization.unquantized_experts import UnquantizedFusedMoEMethod, fused_experts_ref
+
+ROWS = (1, 0)  # one scale per weight row
 
 
 def fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,15 +62,59 @@ class Fp8RowLinearMethod(UnquantizedLinearMethod):
         return layer.weight.float() * layer.weight_scale[:, None]
 
 
+class Fp8RowFusedMoEMethod(UnquantizedFusedMoEMethod):
+    """Routed experts created like unquantized ones, quantized to FP8 rows after loading: w13
+    [E, 2I, H] and w2 [E, H, I] in E4M3 beside w13_weight_scale [E, 2I, 1] and w2_weight_scale [E, H, 1]."""
+
+    name = "fp8-rows experts"
+
+    def process_weights_after_loading(self, layer: ExpertsLayer) -> None:
+        for name in ("w13", "w2"):
+            weight = getattr(layer, name)
+            if weight.dtype == FP8_E4M3:
+                continue
+            quantized, scale = fp8_rows(weight.detach().flatten(0, 1))
+            setattr(layer, name, nn.Parameter(quantized.view(weight.shape), requires_grad=False))
+            layer.register_buffer(f"{name}_weight_scale", scale.view(*weight.shape[:2], 1))
+
+    def apply(
+        self, layer: ExpertsLayer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+        addend: torch.Tensor | None = None, addend_gate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        w13, w2 = layer.w13, layer.w2  # type: ignore[attr-defined]
+        if w13.dtype != FP8_E4M3:  # not processed yet
+            return super().apply(layer, x, topk_weights, topk_ids, addend, addend_gate)
+        s13, s2 = layer.w13_weight_scale, layer.w2_weight_scale  # type: ignore[attr-defined]
+        if self.use_triton:
+            from tokenmill.kernels.moe.experts import ExpertScales, fused_experts
+
+            return fused_experts(x, w13, w2, topk_weights, topk_ids, addend, addend_gate,
+                                 scales=ExpertScales(s13, s2, ROWS, ROWS))
+        return fused_experts_ref(x, DequantizedExperts(w13, s13, ROWS, x.dtype),  # type: ignore[arg-type]
+                                 DequantizedExperts(w2, s2, ROWS, x.dtype), topk_weights, topk_ids,  # type: ignore[arg-type]
+                                 addend, addend_gate)
+
+    def dequantized_weights(self, layer: ExpertsLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        w13, w2 = layer.w13, layer.w2  # type: ignore[attr-defined]
+        if w13.dtype != FP8_E4M3:
+            return w13.float(), w2.float()
+        return (dequantize_blocks(w13, layer.w13_weight_scale, ROWS),  # type: ignore[attr-defined]
+                dequantize_blocks(w2, layer.w2_weight_scale, ROWS))  # type: ignore[attr-defined]
+
+
 class Fp8OnLoad(Unquantized):
-    """Every linear layer (output head too) quantized to FP8 rows as the checkpoint loads."""
+    """Every linear layer (output head too, MoE routers aside) and every MoE layer's routed experts
+    quantized to FP8 rows as the checkpoint loads."""
 
     name = "fp8"
 
     def linear_method(self, prefix: str) -> LinearMethod:
+        if excluded(prefix, ROUTERS):
+            return UnquantizedLinearMethod(self.use_triton)
         return Fp8RowLinearMethod(self.use_triton)
 
-    experts_method = QuantizationConfig.experts_method  # no FP8 experts yet: MoE models are refused
+    def experts_method(self, prefix: str) -> FusedMoEMethod:
+        return Fp8RowFusedMoEMethod(self.use_triton)
 
 
 def quantize_fp8_(module: nn.Module) -> int:

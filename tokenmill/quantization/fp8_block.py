@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from tokenmill.numerics import ScaleBlock, quantize_e4m3
 from tokenmill.quantization.encoding import Calibration, CheckpointConfigFiles, CheckpointEncoder
-from tokenmill.quantization.format_base import FormatSettings, setting
+from tokenmill.quantization.format_base import EngineChoices, FormatSettings, setting
 from tokenmill.quantization.fp8_checkpoint import ScaledFp8Format, scale_of
 from tokenmill.quantization.scaled_fp8 import ScaleLayout
 
@@ -29,7 +29,8 @@ class Fp8BlockConfig(ScaledFp8Format):
     quant_algo = "FP8_BLOCK"
 
     @classmethod
-    def from_settings(cls, settings: FormatSettings, use_triton: bool) -> Fp8BlockConfig:
+    def from_settings(cls, settings: FormatSettings, use_triton: bool,
+                      choices: EngineChoices = EngineChoices()) -> Fp8BlockConfig:
         setting(settings, "weight_block_size", [BLOCK, BLOCK])
         layout = ScaleLayout(settings.get("scale_name", "weight_scale_inv"), (BLOCK, BLOCK), torch.float32,
                              "w8a8-blocks", input_scale=bool(settings.get("static_input_scale", False)))

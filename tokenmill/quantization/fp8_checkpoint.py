@@ -18,7 +18,7 @@ import torch
 from tokenmill.numerics import FP8_E4M3_MAX, quantize_e4m3
 from tokenmill.quantization.base import FusedMoEMethod, LinearMethod
 from tokenmill.quantization.encoding import Calibration, CheckpointConfigFiles, CheckpointEncoder, modelopt_config_files
-from tokenmill.quantization.format_base import CheckpointFormat, FormatSettings
+from tokenmill.quantization.format_base import CheckpointFormat, EngineChoices, FormatSettings
 from tokenmill.quantization.scaled_fp8 import ScaledFp8LinearMethod, ScaleLayout
 from tokenmill.quantization.scaled_fp8_experts import ScaledFp8FusedMoEMethod
 
@@ -45,7 +45,8 @@ class Fp8Config(ScaledFp8Format):
     quant_algo = "FP8"
 
     @classmethod
-    def from_settings(cls, settings: FormatSettings, use_triton: bool) -> Fp8Config:
+    def from_settings(cls, settings: FormatSettings, use_triton: bool,
+                      choices: EngineChoices = EngineChoices()) -> Fp8Config:
         static = bool(settings.get("static_input_scale", settings.get("quant_algo") == "FP8"))
         return cls(ScaleLayout("weight_scale", (1, 0), torch.float32, "w8a8-rows", input_scale=static), use_triton)
 

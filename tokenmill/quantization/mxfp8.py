@@ -17,7 +17,7 @@ import torch
 
 from tokenmill.numerics import MX_GROUP, e8m0_exponent, e8m0_to_float, quantize_e4m3
 from tokenmill.quantization.encoding import Calibration, CheckpointConfigFiles, CheckpointEncoder, modelopt_config_files
-from tokenmill.quantization.format_base import FormatSettings
+from tokenmill.quantization.format_base import EngineChoices, FormatSettings
 from tokenmill.quantization.fp8_block import block_amax
 from tokenmill.quantization.fp8_checkpoint import ScaledFp8Format
 from tokenmill.quantization.scaled_fp8 import ScaleLayout
@@ -27,13 +27,15 @@ class MxFp8Config(ScaledFp8Format):
     quant_algo = "MXFP8"
 
     @classmethod
-    def from_settings(cls, settings: FormatSettings, use_triton: bool) -> MxFp8Config:
+    def from_settings(cls, settings: FormatSettings, use_triton: bool,
+                      choices: EngineChoices = EngineChoices()) -> MxFp8Config:
         return cls(ScaleLayout("weight_scale", (1, MX_GROUP), torch.uint8, "w8a16"), use_triton)
 
 
 class MxFp8Encoder(CheckpointEncoder):
     name = "mxfp8"
     quant_algo = "MXFP8"
+    column_group = MX_GROUP
 
     def encode(self, name: str, weight: torch.Tensor, calibration: Calibration) -> dict[str, torch.Tensor]:
         codes = e8m0_exponent(block_amax(weight.float(), (1, MX_GROUP)))

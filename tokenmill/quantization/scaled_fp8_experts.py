@@ -37,6 +37,20 @@ class DequantizedExperts:
         return dequantize_blocks(self.weight[expert], self.scale[expert], self.block).to(self.dtype)
 
 
+def register_expert_input_scales(layer: ExpertsLayer, experts: int, device: torch.device | str | None) -> None:
+    """w13_input_scale float32 [E, 2] (gate, up) and w2_input_scale [E, 1]: each expert projection's
+    static per-tensor input scale, loaded per (expert, projection)."""
+
+    def fit(tensor: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+        return tensor.float().reshape(-1)[:1].expand(dest.shape)
+
+    for name, projections in (("w13", {"gate": (0, 1), "up": (1, 1)}), ("w2", {"down": None})):
+        values = torch.ones(experts, 2 if name == "w13" else 1, dtype=torch.float32, device=device)
+        loader = stacked_experts_loader(experts, projections, fit)
+        layer.register_parameter(f"{name}_input_scale", set_weight_loader(
+            nn.Parameter(values, requires_grad=False), loader, shards=stacked_experts_shards(experts, tuple(projections))))
+
+
 class ScaledFp8FusedMoEMethod(FusedMoEMethod):
     def __init__(self, layout: ScaleLayout, prefix: str, use_triton: bool = False) -> None:
         self.layout = layout
@@ -51,7 +65,7 @@ class ScaledFp8FusedMoEMethod(FusedMoEMethod):
         self._stack(layer, "w13", (experts, 2 * inter, hidden), {"gate": (0, inter), "up": (inter, inter)}, device)
         self._stack(layer, "w2", (experts, hidden, inter), {"down": None}, device)
         if self.layout.input_scale:
-            self._input_scales(layer, experts, device)
+            register_expert_input_scales(layer, experts, device)
 
     def _stack(self, layer: ExpertsLayer, name: str, shape: tuple[int, int, int],
                projections: dict[str, tuple[int, int] | None], device: torch.device | str | None) -> None:
@@ -72,17 +86,6 @@ class ScaledFp8FusedMoEMethod(FusedMoEMethod):
         layer.register_parameter(f"{name}_{self.layout.scale_name}",
                                  set_weight_loader(nn.Parameter(scale, requires_grad=False), loader, shards=shards))
         setattr(layer, f"{name}_scale_block", block)
-
-    @staticmethod
-    def _input_scales(layer: ExpertsLayer, experts: int, device: torch.device | str | None) -> None:
-        def fit(tensor: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
-            return tensor.float().reshape(-1)[:1].expand(dest.shape)
-
-        for name, projections in (("w13", {"gate": (0, 1), "up": (1, 1)}), ("w2", {"down": None})):
-            values = torch.ones(experts, 2 if name == "w13" else 1, dtype=torch.float32, device=device)
-            loader = stacked_experts_loader(experts, projections, fit)
-            layer.register_parameter(f"{name}_input_scale", set_weight_loader(
-                nn.Parameter(values, requires_grad=False), loader, shards=stacked_experts_shards(experts, tuple(projections))))
 
     def scales(self, layer: ExpertsLayer) -> tuple[torch.Tensor, torch.Tensor, ScaleBlock, ScaleBlock]:
         name = self.layout.scale_name

@@ -33,7 +33,6 @@ from tokenmill.models.loader import (
     resolve_model,
 )
 from tokenmill.models.weights import CheckpointLoader, PackedNames
-from tokenmill.numerics import MX_GROUP
 from tokenmill.quantization.checkpoint import excluded
 from tokenmill.quantization.detect import read_quant_spec
 from tokenmill.quantization.encoding import CheckpointEncoder
@@ -119,6 +118,7 @@ class _Plan:
         linears = {path for path, m in model.named_modules() if isinstance(m, Linear)}
         self.quantized: dict[str, tuple[str, object]] = {}  # checkpoint module -> (model module path, shard)
         self.kept: list[str] = []  # linear layers left in high precision that no pattern names
+        self._group_amax: dict[tuple[str, int | None], torch.Tensor] = {}
         for name in names:
             if not name.endswith(".weight"):
                 continue
@@ -138,20 +138,33 @@ class _Plan:
     def calibration(self, module: str, amax: ActivationAmax) -> dict[str, torch.Tensor]:
         path, shard = self.quantized.get(module, (HEAD, None))
         if not isinstance(shard, tuple):
-            return {"input_amax": torch.tensor(amax.linear.get(path, 0.0))}
+            result = {"input_amax": torch.tensor(amax.linear.get(path, 0.0))}
+            if shard is not None:  # a shard of a fused projection: q/k/v, gate/up
+                result["weight_amax"] = self.group_amax(path, None)
+            return result
         expert, projection = shard
         experts = self.model.get_submodule(path)
         source = amax.expert_hidden if projection == "down" else amax.expert_inputs
         result = {"input_amax": source.get(path, torch.zeros(experts.num_experts))[expert].float()}
         if projection != "down":
-            result["weight_amax"] = experts.w13[expert].detach().abs().amax().float().cpu()
+            result["weight_amax"] = self.group_amax(path, expert)
         return result
+
+    def group_amax(self, path: str, expert: int | None) -> torch.Tensor:
+        """The largest |w| of a fused projection (or of one expert's gate and up), read once, before
+        --draft writes any of its members back dequantized."""
+        if (path, expert) not in self._group_amax:
+            module = self.model.get_submodule(path)
+            weight = module.weight if expert is None else module.w13[expert]
+            self._group_amax[(path, expert)] = weight.detach().abs().amax().float().cpu()
+        return self._group_amax[(path, expert)]
 
     def encode(self, module: str, tensor: torch.Tensor, amax: ActivationAmax) -> dict[str, torch.Tensor]:
         weight = tensor.detach().float().cpu()
-        if self.encoder.quant_algo == "MXFP8" and weight.shape[-1] % MX_GROUP:
-            raise ConfigError(f"{module}: {weight.shape[-1]} input columns are not a multiple of {MX_GROUP}, which MXFP8 "
-                              f"needs; keep it in high precision with --exclude {module}")
+        group = self.encoder.column_group
+        if weight.shape[-1] % group:
+            raise ConfigError(f"{module}: {weight.shape[-1]} input columns are not a multiple of {group}, which "
+                              f"{self.encoder.quant_algo} needs; keep it in high precision with --exclude {module}")
         encoded = self.encoder.encode(module, weight, self.calibration(module, amax))
         if self.draft and module != HEAD:  # the head then sees the quantized body's activations
             dequantized = read_back(self.encoder, module, encoded, weight.shape)

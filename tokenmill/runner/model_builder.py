@@ -12,13 +12,17 @@ from collections.abc import Callable
 import torch
 from transformers import PretrainedConfig
 
+from tokenmill.config import EngineConfig
 from tokenmill.models.interface import CausalLM, ModelBuild
 from tokenmill.models.loader import CheckpointSource, checkpoint_tensor_dtypes, iter_weights, load_hf_quant_config
 from tokenmill.models.registry import model_class
 from tokenmill.models.weights import modules_by_target
 from tokenmill.numerics import FP8_E4M3, FP8_E4M3_MAX
+from tokenmill.quantization.base import FusedMoEMethod, LinearMethod, QuantizationConfig
 from tokenmill.quantization.checkpoint import CheckpointQuantization
 from tokenmill.quantization.detect import read_quant_spec
+from tokenmill.quantization.dual import DualWeights
+from tokenmill.quantization.format_base import EngineChoices
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +48,15 @@ def build_model(
     return model.eval()
 
 
+def engine_choices(config: EngineConfig, device: torch.device) -> EngineChoices:
+    """What the engine brings to a checkpoint's formats: the device's capability, the NVFP4 mode."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return EngineChoices(capability=capability, nvfp4_mode=config.model.nvfp4_mode)
+
+
 def checkpoint_quantization(
-    hf_config: PretrainedConfig, source: CheckpointSource, use_triton: bool, read_weights: bool = True
+    hf_config: PretrainedConfig, source: CheckpointSource, use_triton: bool, read_weights: bool = True,
+    choices: EngineChoices = EngineChoices(),
 ) -> CheckpointQuantization | None:
     """The quantization a checkpoint's config describes (None: unquantized), its layers named
     through the model's packed names from the checkpoint's tensor names, a layer whose weight the
@@ -64,17 +75,31 @@ def checkpoint_quantization(
             return [name for name in table.get(prefix, []) if dtypes.get(f"{name}.weight") not in HIGH_PRECISION]
         return [] if tied and prefix == "lm_head" else [prefix]
 
-    quant = CheckpointQuantization(spec, use_triton, checkpoint_names)
+    quant = CheckpointQuantization(spec, use_triton, checkpoint_names, choices)
     logger.info("quantized checkpoint: %s (from %s)", quant.name, spec.where)
     return quant
 
 
+def with_dual_weights(quantization: QuantizationConfig | None, config: EngineConfig,
+                      use_triton: bool) -> QuantizationConfig | None:
+    """The quantization with --dual-weights applied (quantization/dual.py), or as it is."""
+    second = config.model.dual_weights
+    if second is None:
+        return quantization
+    dual = DualWeights(quantization, second.removeprefix("nvfp4+"), config.model.dual_weights_threshold, use_triton)
+    logger.info("%s, the second copy from %d tokens a step", dual.name, dual.threshold)
+    return dual
+
+
 def model_weight_bytes(build: ModelBuild, dtype: torch.dtype) -> int:
     """Bytes of the parameters and buffers the model is constructed with (before quantization
-    methods process them: what loading needs at its peak)."""
+    methods process them: what loading needs at its peak), plus what processing adds (a second
+    copy of dual weights)."""
     model = _construct(build, dtype, torch.device("meta"))
     tensors = itertools.chain(model.parameters(), model.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors)
+    extra = sum(module.method.extra_weight_bytes(module) for module in model.modules()
+                if isinstance(getattr(module, "method", None), (LinearMethod, FusedMoEMethod)))
+    return sum(t.numel() * t.element_size() for t in tensors) + extra
 
 
 def _construct(build: ModelBuild, dtype: torch.dtype, device: torch.device) -> CausalLM:
@@ -94,12 +119,17 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
+            last = name.rsplit(".", 1)[-1]
             if name.endswith("bias"):
                 param.zero_()
+            elif last.endswith("weight_scale_2"):  # NVFP4's global scale: E2M1 codes average ~2.6 in magnitude
+                param.fill_(0.02 / 2.6)
+            elif param.dtype == FP8_E4M3 and "scale" in last:  # NVFP4's E4M3 block scales
+                param.fill_(1.0)
             elif param.dtype == FP8_E4M3:  # codes of about N(0, 32): scale 0.02 / 32
                 values = torch.empty(param.shape, device=param.device).normal_(0.0, 32.0, generator=generator)
                 param.copy_(values.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_E4M3))
-            elif "scale" in name.rsplit(".", 1)[-1]:
+            elif "scale" in last:
                 param.fill_(DUMMY_E8M0_SCALE if param.dtype == torch.uint8 else 0.02 / 32)
             elif param.dtype == torch.uint8:  # packed low-precision codes
                 param.copy_(torch.randint(0, 256, param.shape, device=param.device, generator=generator))

@@ -21,7 +21,13 @@ from tokenmill.runner.batch import Chunk, pack
 from tokenmill.runner.cuda_graphs import MAX_CAPTURED_TOKENS, StepGraphs
 from tokenmill.runner.kv_calibration import configure_kv_scales
 from tokenmill.runner.memory import check_weights_fit, kv_cache_budget
-from tokenmill.runner.model_builder import build_model, checkpoint_quantization, model_weight_bytes
+from tokenmill.runner.model_builder import (
+    build_model,
+    checkpoint_quantization,
+    engine_choices,
+    model_weight_bytes,
+    with_dual_weights,
+)
 from tokenmill.runner.step_input import StepInput
 from tokenmill.sample import draft_verification
 from tokenmill.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
@@ -85,7 +91,9 @@ class ModelRunner:
             _require_triton()
         state_dtype = recurrent_state_dtype(config.cache.mamba_ssm_cache_dtype, getattr(hf_config, "mamba_ssm_dtype", None))
         dummy = config.model.load_format == "dummy"
-        quantization = checkpoint_quantization(hf_config, source, self.use_triton, read_weights=not dummy)
+        quantization = checkpoint_quantization(hf_config, source, self.use_triton, read_weights=not dummy,
+                                               choices=engine_choices(config, self.device))
+        quantization = with_dual_weights(quantization, config, self.use_triton)
         self.build = ModelBuild(hf_config, self.backend, config.model.max_model_len, self.block_size, self.kv_dtype,
                                 self.use_triton, quantization, state_dtype=state_dtype)
         check_weights_fit(model_weight_bytes(self.build, self.dtype), config, self.device,

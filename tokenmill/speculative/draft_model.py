@@ -30,7 +30,7 @@ from tokenmill.quantization import Fp8OnLoad
 from tokenmill.runner.batch import Chunk, flat_block_tables, pack_context, slot_of
 from tokenmill.runner.cuda_graphs import StepGraphs
 from tokenmill.runner.memory import check_weights_fit
-from tokenmill.runner.model_builder import build_model, checkpoint_quantization, model_weight_bytes
+from tokenmill.runner.model_builder import build_model, checkpoint_quantization, engine_choices, model_weight_bytes
 from tokenmill.runner.model_runner import ModelRunner, StepOutput
 from tokenmill.sample.sampler import SamplingMetadata, SamplingRow, processed_probs, row_argmax
 from tokenmill.speculative.draft_vocab import load_draft_vocab
@@ -53,7 +53,8 @@ class DraftModel:
         self.hf_config = load_hf_config(source)
         self.backend = ATTENTION_BACKENDS[config.cache.attention_backend]()
         use_triton = self.device.type == "cuda"
-        quantization = checkpoint_quantization(self.hf_config, source, use_triton, read_weights=not dummy)
+        quantization = checkpoint_quantization(self.hf_config, source, use_triton, read_weights=not dummy,
+                                               choices=engine_choices(config, self.device))
         if quantization is not None and spec.quantization:
             raise ConfigError(f"the draft checkpoint is already quantized ({quantization.name}); drop "
                               f"\"quantization\": \"{spec.quantization}\" from --speculative-config")

@@ -20,6 +20,7 @@ from tokenmill.kernels.moe.combine import combine
 from tokenmill.kernels.moe.few_row import FEW_ROWS, few_row_experts
 from tokenmill.kernels.moe.grouped_gemm import grouped_experts, grouped_tiles
 from tokenmill.kernels.moe.scales import ExpertScales
+from tokenmill.numerics import NVFP4_GROUP
 
 __all__ = ["ExpertScales", "fused_experts", "uses_few_row_path"]
 
@@ -42,7 +43,8 @@ def fused_experts(
 ) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; topk_weights float32
     [T, k]; topk_ids int32 [T, k]; addend [T, H] added to the result, times sigmoid(addend_gate
-    [T, 1]) if given; FP8 E4M3 weights with their `scales`. Returns [T, H] in x's dtype."""
+    [T, 1]) if given; FP8 E4M3 weights, or NVFP4 ones (uint8 [E, 2I, H / 2] and [E, H, I / 2]),
+    with their `scales`. Returns [T, H] in x's dtype."""
     check_experts_operands(x, w13, w2, topk_weights, topk_ids, scales)
     num_tokens, top_k = topk_ids.shape
     x = x.contiguous()
@@ -65,16 +67,22 @@ def check_experts_operands(
 ) -> None:
     if w13.dim() != 3 or w2.dim() != 3 or w13.shape[1] % 2:
         raise ValueError(f"w13 must be [E, 2I, H] and w2 [E, H, I]; got {tuple(w13.shape)}, {tuple(w2.shape)}")
-    num_experts, two_inter, hidden = w13.shape
-    if w2.shape != (num_experts, hidden, two_inter // 2):
-        raise ValueError(f"w2 must be [{num_experts}, {hidden}, {two_inter // 2}] beside w13 {tuple(w13.shape)}, "
+    fp4 = w13.dtype == torch.uint8
+    pack = 2 if fp4 else 1
+    num_experts, two_inter, hidden = w13.shape[0], w13.shape[1], w13.shape[2] * pack
+    if w2.shape != (num_experts, hidden, two_inter // 2 // pack):
+        raise ValueError(f"w2 must be [{num_experts}, {hidden}, {two_inter // 2 // pack}] beside w13 {tuple(w13.shape)}, "
                          f"got {tuple(w2.shape)}")
     if w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("expert weights must be row-major in their last dimension")
-    if (scales is not None) != (w13.dtype == FP8_DTYPE) or w2.dtype != w13.dtype:
-        raise ValueError(f"FP8 expert weights need their scales, and only they take scales (w13 {w13.dtype}, w2 {w2.dtype})")
+    quantized = w13.dtype in (FP8_DTYPE, torch.uint8)
+    if (scales is not None) != quantized or w2.dtype != w13.dtype or (scales is not None and scales.fp4 != fp4):
+        raise ValueError(f"FP8 expert weights need their scales (NVFP4 ones their block and row scales), and only "
+                         f"quantized weights take scales (w13 {w13.dtype}, w2 {w2.dtype})")
+    if fp4 and (hidden % NVFP4_GROUP or two_inter // 2 % NVFP4_GROUP):
+        raise ValueError(f"NVFP4 experts need H and I multiples of {NVFP4_GROUP}, got H = {hidden}, I = {two_inter // 2}")
     weight_dtype = x.dtype if scales is not None else w13.dtype
-    if x.dim() != 2 or x.shape[1] != hidden or x.dtype != weight_dtype:
+    if x.dim() != 2 or x.shape[1] != hidden or x.dtype != weight_dtype or not x.is_floating_point():
         raise ValueError(f"x must be [T, {hidden}] in the weights' dtype {w13.dtype}, got {tuple(x.shape)} {x.dtype}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_ids.dtype != torch.int32:
         raise ValueError(f"topk_ids must be int32 [{x.shape[0]}, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}")

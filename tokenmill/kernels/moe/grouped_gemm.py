@@ -12,6 +12,10 @@ activations' dtype; down scales each row by its routing weight before rounding. 
 fixed by the padded capacity (programs past the used blocks return at once), with the row
 block varying fastest, so the blocks of one expert that read the same weight strip run
 together and the strip comes from DRAM about once.
+
+NVFP4 weights (FP4) load as [BLOCK_N, BLOCK_K / 2] bytes, decode into their even and odd element
+columns (kernels/nvfp4.py) and multiply x's even and odd columns; each row's sums then take its
+row scale.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import triton.language as tl
 
 from tokenmill.kernels._common import apply_block_scales, block_scales, interpreting, mm, next_pow2
 from tokenmill.kernels.moe.align import SlotLayout
-from tokenmill.kernels.moe.scales import ExpertScales, row_scales, scale_args
+from tokenmill.kernels.moe.scales import ExpertScales, element_args, row_scales, scale_args
+from tokenmill.kernels.nvfp4 import fp4_dequant
 
 
 @dataclass(frozen=True)
@@ -89,12 +94,81 @@ def _scaled_mm_kn(x, w, acc, s_base, offs_n, n_ok, k0, K, stride_sn, SCALE_ROWS:
 
 
 @triton.jit
+def _weight_ptrs(w_ptr, expert, offs_n, stride_we, stride_wn, BLOCK_K: tl.constexpr, FP4: tl.constexpr):
+    """Pointers of a weight strip at column 0: [BLOCK_K, BLOCK_N] elements (read as W^T), or for FP4
+    [BLOCK_N, BLOCK_K / 2] bytes."""
+    base = w_ptr + expert.to(tl.int64) * stride_we
+    if FP4:
+        ptrs = base + offs_n[:, None].to(tl.int64) * stride_wn + tl.arange(0, BLOCK_K // 2)[None, :]
+    else:
+        ptrs = base + offs_n[None, :].to(tl.int64) * stride_wn + tl.arange(0, BLOCK_K)[:, None]
+    return ptrs
+
+
+@triton.jit
+def _x_ptrs(base_ptrs, BLOCK_K: tl.constexpr, FP4: tl.constexpr):
+    """Pointers of the rows' strip of x at column 0 (base_ptrs [BLOCK_M, 1], one per row): every
+    column, or for FP4 the even ones."""
+    if FP4:
+        ptrs = base_ptrs + 2 * tl.arange(0, BLOCK_K // 2)[None, :]
+    else:
+        ptrs = base_ptrs + tl.arange(0, BLOCK_K)[None, :]
+    return ptrs
+
+
+@triton.jit
+def _rows_strip(x_ptrs, k0, row_ok, K, EVEN_K: tl.constexpr, FP4: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(the rows' strip of x at column k0, the odd columns' for FP4, else the same strip again)."""
+    if FP4:
+        cols = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+    else:
+        cols = k0 + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        x = tl.load(x_ptrs + k0, mask=row_ok[:, None], other=0.0)
+    else:
+        x = tl.load(x_ptrs + k0, mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
+    if FP4:
+        if EVEN_K:
+            xo = tl.load(x_ptrs + k0 + 1, mask=row_ok[:, None], other=0.0)
+        else:
+            xo = tl.load(x_ptrs + k0 + 1, mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
+    else:
+        xo = x
+    return x, xo
+
+
+@triton.jit
+def _strip_product(acc, x, xo, w_ptrs, n_ok, s_base, offs_n, k0, K, stride_sn, EVEN_K: tl.constexpr,
+                   FP4: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, E8M0: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """acc + the rows' strip of x (x, and xo: its odd columns for FP4) @ (the weight strip at column
+    k0 times its scales)^T."""
+    if FP4:
+        if EVEN_K:
+            w = tl.load(w_ptrs + k0 // 2, mask=n_ok[:, None], other=0)
+        else:
+            w = tl.load(w_ptrs + k0 // 2, mask=n_ok[:, None] & (k0 + 2 * tl.arange(0, BLOCK_K // 2) < K)[None, :],
+                        other=0)
+        even, odd = fp4_dequant(w, x, s_base, offs_n, n_ok, k0, K, stride_sn, BLOCK_N, BLOCK_K)
+        acc = mm(xo, tl.trans(odd), mm(x, tl.trans(even), acc, UPCAST, IEEE), UPCAST, IEEE)
+    else:
+        if EVEN_K:
+            w = tl.load(w_ptrs + k0, mask=n_ok[None, :], other=0.0)
+        else:
+            w = tl.load(w_ptrs + k0, mask=n_ok[None, :] & (k0 + tl.arange(0, BLOCK_K) < K)[:, None], other=0.0)
+        acc = _scaled_mm_kn(x, w, acc, s_base, offs_n, n_ok, k0, K, stride_sn, SCALE_ROWS, SCALE_COLS, E8M0,
+                            BLOCK_N, BLOCK_K, UPCAST, IEEE)
+    return acc
+
+
+@triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, act_ptr, starts_ptr, counts_ptr, sorted_ptr, s_ptr, num_experts, max_blocks, hidden, inter,
-    stride_xt, stride_we, stride_wn, stride_ap, stride_se, stride_sn,
+    x_ptr, w_ptr, act_ptr, starts_ptr, counts_ptr, sorted_ptr, s_ptr, r_ptr, num_experts, max_blocks, hidden, inter,
+    stride_xt, stride_we, stride_wn, stride_ap, stride_se, stride_sn, stride_re, stride_rn,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     HAS_SCALE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, E8M0: tl.constexpr,
+    FP4: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_m = pid % max_blocks
@@ -106,30 +180,22 @@ def _gate_up_kernel(
     tokens = slots // TOP_K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + tokens[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
-    gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    x_ptrs = _x_ptrs(x_ptr + tokens[:, None].to(tl.int64) * stride_xt, BLOCK_K, FP4)
+    gate_ptrs = _weight_ptrs(w_ptr, expert, offs_n, stride_we, stride_wn, BLOCK_K, FP4)
     up_ptrs = gate_ptrs + inter * stride_wn
     s_base = s_ptr + expert.to(tl.int64) * stride_se
+    r_base = r_ptr + expert.to(tl.int64) * stride_re
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs + k0, mask=row_ok[:, None], other=0.0)
-            wg = tl.load(gate_ptrs + k0, mask=n_ok[None, :], other=0.0)
-            wu = tl.load(up_ptrs + k0, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = k0 + offs_k < hidden
-            x = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            wg = tl.load(gate_ptrs + k0, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            wu = tl.load(up_ptrs + k0, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        gate = _scaled_mm_kn(x, wg, gate, s_base, offs_n, n_ok, k0, hidden, stride_sn, SCALE_ROWS, SCALE_COLS, E8M0,
-                             BLOCK_N, BLOCK_K, UPCAST, IEEE)
-        up = _scaled_mm_kn(x, wu, up, s_base, offs_n + inter, n_ok, k0, hidden, stride_sn, SCALE_ROWS, SCALE_COLS,
-                           E8M0, BLOCK_N, BLOCK_K, UPCAST, IEEE)
+        x, xo = _rows_strip(x_ptrs, k0, row_ok, hidden, EVEN_K, FP4, BLOCK_K)
+        gate = _strip_product(gate, x, xo, gate_ptrs, n_ok, s_base, offs_n, k0, hidden, stride_sn, EVEN_K, FP4,
+                              SCALE_ROWS, SCALE_COLS, E8M0, BLOCK_N, BLOCK_K, UPCAST, IEEE)
+        up = _strip_product(up, x, xo, up_ptrs, n_ok, s_base, offs_n + inter, k0, hidden, stride_sn, EVEN_K, FP4,
+                            SCALE_ROWS, SCALE_COLS, E8M0, BLOCK_N, BLOCK_K, UPCAST, IEEE)
     if HAS_SCALE:
-        gate = gate * row_scales(s_base, offs_n, n_ok, stride_sn)[None, :]
-        up = up * row_scales(s_base, offs_n + inter, n_ok, stride_sn)[None, :]
+        gate = gate * row_scales(r_base, offs_n, n_ok, stride_rn)[None, :]
+        up = up * row_scales(r_base, offs_n + inter, n_ok, stride_rn)[None, :]
     act = gate / (1.0 + tl.exp(-gate)) * up
     act_ptrs = act_ptr + positions[:, None].to(tl.int64) * stride_ap + offs_n[None, :]
     tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
@@ -137,11 +203,12 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, w_ptr, weights_ptr, out_ptr, starts_ptr, counts_ptr, sorted_ptr, s_ptr, num_experts, max_blocks, hidden,
-    inter, stride_ap, stride_we, stride_wn, stride_os, stride_se, stride_sn,
+    act_ptr, w_ptr, weights_ptr, out_ptr, starts_ptr, counts_ptr, sorted_ptr, s_ptr, r_ptr, num_experts, max_blocks,
+    hidden, inter, stride_ap, stride_we, stride_wn, stride_os, stride_se, stride_sn, stride_re, stride_rn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     HAS_SCALE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, E8M0: tl.constexpr,
+    FP4: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_m = pid % max_blocks
@@ -152,23 +219,17 @@ def _down_kernel(
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = act_ptr + positions[:, None].to(tl.int64) * stride_ap + offs_k[None, :]
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    a_ptrs = _x_ptrs(act_ptr + positions[:, None].to(tl.int64) * stride_ap, BLOCK_K, FP4)
+    w_ptrs = _weight_ptrs(w_ptr, expert, offs_n, stride_we, stride_wn, BLOCK_K, FP4)
     s_base = s_ptr + expert.to(tl.int64) * stride_se
+    r_base = r_ptr + expert.to(tl.int64) * stride_re
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, inter, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs + k0, mask=row_ok[:, None], other=0.0)
-            w = tl.load(w_ptrs + k0, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = k0 + offs_k < inter
-            a = tl.load(a_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs + k0, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = _scaled_mm_kn(a, w, acc, s_base, offs_n, n_ok, k0, inter, stride_sn, SCALE_ROWS, SCALE_COLS, E8M0,
-                            BLOCK_N, BLOCK_K, UPCAST, IEEE)
+        a, ao = _rows_strip(a_ptrs, k0, row_ok, inter, EVEN_K, FP4, BLOCK_K)
+        acc = _strip_product(acc, a, ao, w_ptrs, n_ok, s_base, offs_n, k0, inter, stride_sn, EVEN_K, FP4,
+                             SCALE_ROWS, SCALE_COLS, E8M0, BLOCK_N, BLOCK_K, UPCAST, IEEE)
     if HAS_SCALE:
-        acc = acc * row_scales(s_base, offs_n, n_ok, stride_sn)[None, :]
+        acc = acc * row_scales(r_base, offs_n, n_ok, stride_rn)[None, :]
     acc = acc * tl.load(weights_ptr + slots, mask=row_ok, other=0.0)[:, None]
     out_ptrs = out_ptr + slots[:, None].to(tl.int64) * stride_os + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
@@ -185,8 +246,8 @@ def grouped_experts(
     scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """slot_out [T * k, H]: each slot's expert output times its routing weight, in x's dtype (FP8
-    weights with their `scales`)."""
-    num_experts, two_inter, hidden = w13.shape
+    or NVFP4 weights with their `scales`)."""
+    num_experts, two_inter, hidden = w13.shape[0], w13.shape[1], x.shape[1]
     inter = two_inter // 2
     gate_up_tile, down_tile = tiles
     if gate_up_tile.block_m != layout.block_m or down_tile.block_m != layout.block_m:
@@ -198,18 +259,20 @@ def grouped_experts(
                   BLOCK_E=next_pow2(num_experts))
     t = gate_up_tile
     s13, scaling13 = scale_args(scales, 0, w13, t.block_k)
+    r13, elements13 = element_args(scales, 0, w13, t.block_k)
     _gate_up_kernel[(max_blocks * triton.cdiv(inter, t.block_n),)](
-        x, w13, act, layout.starts, layout.counts, layout.sorted_slots, s13, num_experts, max_blocks, hidden, inter,
+        x, w13, act, layout.starts, layout.counts, layout.sorted_slots, s13, r13, num_experts, max_blocks, hidden, inter,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, EVEN_K=hidden % t.block_k == 0,
-        num_warps=t.num_warps, num_stages=t.num_stages, **common, **scaling13,
+        num_warps=t.num_warps, num_stages=t.num_stages, **common, **dict(scaling13, **elements13),
     )
     t = down_tile
     s2, scaling2 = scale_args(scales, 1, w2, t.block_k)
+    r2, elements2 = element_args(scales, 1, w2, t.block_k)
     _down_kernel[(max_blocks * triton.cdiv(hidden, t.block_n),)](
-        act, w2, topk_weights, slot_out, layout.starts, layout.counts, layout.sorted_slots, s2, num_experts, max_blocks,
-        hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), slot_out.stride(0),
+        act, w2, topk_weights, slot_out, layout.starts, layout.counts, layout.sorted_slots, s2, r2, num_experts,
+        max_blocks, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), slot_out.stride(0),
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, EVEN_K=inter % t.block_k == 0,
-        num_warps=t.num_warps, num_stages=t.num_stages, **common, **scaling2,
+        num_warps=t.num_warps, num_stages=t.num_stages, **common, **dict(scaling2, **elements2),
     )
     return slot_out
