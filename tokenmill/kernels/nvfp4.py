@@ -24,6 +24,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from tokenmill.kernels._common import (
+    E4M3_MAX,
     FP8_DTYPE,
     apply_block_scales,
     dependent_launch,
@@ -184,7 +185,7 @@ def _quantize_nvfp4_kernel(x_ptr, g_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, 
     odd = tl.load(x_ptr + row * stride_xm + cols + 1, mask=g_ok[:, None], other=0.0).to(tl.float32)
     g = tl.load(g_ptr)
     amax = tl.maximum(tl.max(tl.abs(even), 1), tl.max(tl.abs(odd), 1))
-    scale = tl.minimum(tl.maximum(amax / (6.0 * g), 0.001953125), 448.0)
+    scale = tl.minimum(tl.maximum(amax / (6.0 * g), 0.001953125), E4M3_MAX)
     if EMULATE_ROUNDING:
         scale = round_to_e4m3_grid(scale)
     scale = scale.to(s_ptr.dtype.element_ty)
