@@ -36,8 +36,9 @@ class ModelConfig:
     nvfp4_mode: str = AUTO
     """NVFP4 checkpoints: w4a16 = weights decoded in the kernels, activations in the model dtype;
     w4a4 = activations quantized per 16 under the checkpoint's input scales (Blackwell's FP4
-    MMAs: sm_100, sm_120, sm_121; refused on other devices and for W4A16_NVFP4 checkpoints);
-    auto = w4a4 on Blackwell for a checkpoint with input scales, else w4a16."""
+    MMAs: sm_100, sm_120, sm_121; refused on other devices and for W4A16_NVFP4 checkpoints; the
+    products still run on bf16 tensor cores, so it gives W4A4's numerics, not FP4's speed);
+    auto = w4a16 (until an FP4 MMA kernel exists, W4A4 is never chosen for speed)."""
     dual_weights: str | None = None
     """Two copies of the quantized layers, picked per step by its number of tokens: nvfp4+fp8 or
     nvfp4+mxfp8 = an NVFP4 copy for steps of fewer than dual_weights_threshold tokens (decode,
@@ -346,8 +347,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="dummy = seeded random weights of the checkpoint's shapes (benchmarks)")
     m.add_argument("--nvfp4-mode", default=AUTO, choices=NVFP4_MODES,
                    help="NVFP4 checkpoints: w4a16 = activations in the model dtype (weights decoded in the kernels); "
-                        "w4a4 = activations quantized per 16 under the input scales (Blackwell only); auto = w4a4 "
-                        "on Blackwell for a checkpoint with input scales, else w4a16")
+                        "w4a4 = activations quantized per 16 under the input scales (Blackwell only; the products still "
+                        "run on bf16 tensor cores: W4A4's numerics, not FP4's speed); auto = w4a16")
     m.add_argument("--dual-weights", default=None, choices=DUAL_WEIGHTS,
                    help="keep an NVFP4 copy of the quantized layers for steps of fewer than --dual-weights-threshold "
                         "tokens and an FP8 (per row) or MXFP8 copy for bigger steps, both in memory; an NVFP4 "

@@ -154,7 +154,8 @@ def test_mixed_precision_maps_nvfp4_beside_fp8_mxfp8_and_bf16_layers() -> None:
 
 def test_the_nvfp4_mode_reaches_the_format() -> None:
     spec = read_quant_spec(None, MODELOPT_NVFP4_FILE)
-    blackwell = CheckpointQuantization(spec, choices=EngineChoices((10, 0)))
+    assert CheckpointQuantization(spec, choices=EngineChoices((10, 0))).linear_method("o_proj").activations == "w4a16"
+    blackwell = CheckpointQuantization(spec, choices=EngineChoices((10, 0), "w4a4"))
     assert blackwell.linear_method("o_proj").activations == "w4a4"
     with pytest.raises(ConfigError, match="--nvfp4-mode w4a4 needs FP4 tensor cores"):
         CheckpointQuantization(spec, choices=EngineChoices((9, 0), "w4a4"))

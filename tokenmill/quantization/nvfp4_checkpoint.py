@@ -51,8 +51,11 @@ def activations_mode(settings: FormatSettings, choices: EngineChoices) -> str:
             raise ConfigError(f"--nvfp4-mode w4a4 needs FP4 tensor cores (Blackwell: sm_100, sm_120, sm_121) and this "
                               f"device is {device}; use --nvfp4-mode w4a16 (or auto), which multiplies the NVFP4 "
                               "weights with activations in the model dtype")
-        return W4A4
-    if choices.nvfp4_mode == "auto" and has_inputs and blackwell:
+        if where not in _told:
+            _told.add(where)
+            logger.warning("%s: W4A4 quantizes the activations per 16 under the input scales, then multiplies the "
+                           "decoded values on bf16 tensor cores (no FP4 MMA kernel yet): W4A4's numerics at W4A16's "
+                           "speed or below", where)
         return W4A4
     if has_inputs and where not in _told:
         _told.add(where)
