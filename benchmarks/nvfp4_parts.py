@@ -89,7 +89,7 @@ def llama_nvfp4_dir(smoke: bool) -> str:
 def nvfp4_llm(device: torch.device, smoke: bool, eager: bool = False, **options):
     from tokenmill import LLM
 
-    return LLM(llama_nvfp4_dir(smoke), load_format="dummy", max_model_len=4096, device=device.type,
+    return LLM(llama_nvfp4_dir(smoke), load_format="dummy", max_model_len=4096, device=device.type, max_num_seqs=4,
                kv_cache_bytes=(1 << 24) if smoke else 8 << 30, enforce_eager=smoke or eager, **options)
 
 

@@ -134,7 +134,7 @@ def engine(device: torch.device, ceiling: dict[str, float], smoke: bool, parts: 
 
     rows_out = []
     for fmt in CONFIGS:
-        llm = LLM(llama_dir(fmt, smoke), load_format="dummy", max_model_len=4096, device=device.type,
+        llm = LLM(llama_dir(fmt, smoke), load_format="dummy", max_model_len=4096, device=device.type, max_num_seqs=4,
                   kv_cache_bytes=(1 << 24) if smoke else 8 << 30, enforce_eager=smoke)
         model = llm.engine.runner.model
         params = sum(p.numel() * p.element_size() for p in model.parameters())
