@@ -58,7 +58,7 @@ def check_absorbed(requests, heads: int, latent: int, rope: int, dtype: torch.dt
     expected = absorbed_attention_ref(q_latent.float(), q_pe.float(), cache, md, softmax_scale, scale)
     plan = plan_absorbed(num_tokens=num_tokens, num_requests=len(requests), max_query_len=md.max_query_len,
                          max_seq_len=md.max_seq_len, num_heads=heads, device=torch.device(device),
-                         fp8_cache=cache.dtype == FP8, **plan_overrides)
+                         fp8_cache=cache.dtype == FP8, cache_bytes=cache.element_size(), **plan_overrides)
     out = absorbed_attention(q_latent, q_pe, cache, md.query_start_loc, md.seq_lens, md.block_tables, softmax_scale,
                              plan, scale)
     assert out.dtype == dtype and out.shape == q_latent.shape

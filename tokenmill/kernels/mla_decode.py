@@ -51,6 +51,15 @@ class AbsorbedPlan:
         return self.num_splits > 1
 
 
+def _key_tile(block_m: int, cache_bytes: int) -> int:
+    """Latent rows per KV tile: the H200 sweep's best at 32k for a 16-row decode tile (benchmarks/RESULTS.md),
+    128 rows of a 2-byte cache or 64 of FP8, two stages of which fit shared memory beside the
+    queries; larger query tiles (verification, 128 heads) and float32 caches keep 32."""
+    if block_m > 16 or cache_bytes > 2:
+        return 32
+    return 128 if cache_bytes == 2 else 64
+
+
 def plan_absorbed(
     *,
     num_tokens: int,
@@ -60,6 +69,7 @@ def plan_absorbed(
     num_heads: int,
     device: torch.device,
     fp8_cache: bool = False,
+    cache_bytes: int | None = None,
     num_splits: int | None = None,
     block_h: int | None = None,
     block_q: int | None = None,
@@ -75,9 +85,9 @@ def plan_absorbed(
         block_h = min(next_pow2(num_heads), max_rows)
     if block_q is None:
         block_q = max(1, min(next_pow2(max_query_len), max_rows // block_h))
-    if block_n is None:  # the H200 sweep's best key tiles at 32k (benchmarks/RESULTS.md); verification keeps 32
-        block_n = (32 if max_query_len > 1 else 64 if fp8_cache else 128) if on_gpu else 8
     block_m = block_q * block_h
+    if block_n is None:
+        block_n = _key_tile(block_m, 1 if fp8_cache else cache_bytes or 2) if on_gpu else 8
     head_tiles = -(-num_heads // block_h)
     num_tiles = num_tokens if block_q == 1 else num_tokens // block_q + num_requests
     if min_split_tokens is None:

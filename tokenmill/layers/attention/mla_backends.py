@@ -99,16 +99,17 @@ class TritonMLABackend(MLABackend):
         )
 
     def plan(self, metadata: AttentionMetadata, num_tokens: int, num_heads: int, device: torch.device,
-             fp8_cache: bool) -> AbsorbedPlan:
+             cache_dtype: torch.dtype) -> AbsorbedPlan:
         """The absorbed launch plan for this batch, from host-side sizes only."""
         return self._decode.plan_absorbed(
             num_tokens=num_tokens, num_requests=metadata.num_requests, max_query_len=metadata.max_query_len,
-            max_seq_len=metadata.max_seq_len, num_heads=num_heads, device=device, fp8_cache=fp8_cache, **self.overrides,
+            max_seq_len=metadata.max_seq_len, num_heads=num_heads, device=device, fp8_cache=cache_dtype == FP8,
+            cache_bytes=cache_dtype.itemsize, **self.overrides,
         )
 
     def absorbed(self, q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, metadata: AttentionMetadata,
                  softmax_scale: float, cache_scale: float, out: torch.Tensor) -> torch.Tensor:
-        plan = self.plan(metadata, q_latent.shape[0], q_latent.shape[1], q_latent.device, cache.dtype == FP8)
+        plan = self.plan(metadata, q_latent.shape[0], q_latent.shape[1], q_latent.device, cache.dtype)
         return self._decode.absorbed_attention(
             q_latent, q_pe, cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
             softmax_scale, plan, cache_scale, out=out,
