@@ -85,8 +85,8 @@ def norm_weight(size: int, generator: torch.Generator, centre: float) -> torch.T
 
 
 def qwen_mtp_checkpoint(name: str, path: Path, configs: dict, randomize, *, seed: int = 0, mode: str = "random",
-                        extra_tensors=None, make=None, layer_type: str = "full_attention"
-                        ) -> MTPCheckpoint:
+                        extra_tensors=None, make=None, layer_type: str = "full_attention",
+                        scale: float | None = None) -> MTPCheckpoint:
     """A Qwen-family target (Qwen3-Next / Qwen3.5 / Qwen4Exp) saved with an `mtp.*` head."""
     config = copy.deepcopy(configs[name])
     config.mtp_num_hidden_layers = 1
@@ -94,7 +94,7 @@ def qwen_mtp_checkpoint(name: str, path: Path, configs: dict, randomize, *, seed
     target = make(config) if make is not None else AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize(target, seed)
     if mode == "copy":
-        scale_block_outputs_(target, 0.1)
+        scale_block_outputs_(target, scale or 0.1)
     target.save_pretrained(path)
     longer, saved, _ = build_head_layer(configs[name], layer_type, seed + 1, randomize, make)
     layer = longer.model.layers[config.num_hidden_layers]
@@ -177,7 +177,8 @@ def randomize_deepseek_(model: nn.Module, seed: int) -> None:
             buffer.normal_(0.0, 0.1)
 
 
-def deepseek_mtp_checkpoint(config: PretrainedConfig, path: Path, *, seed: int = 0, mode: str = "random") -> MTPCheckpoint:
+def deepseek_mtp_checkpoint(config: PretrainedConfig, path: Path, *, seed: int = 0, mode: str = "random",
+                            scale: float | None = None) -> MTPCheckpoint:
     """A DeepSeek-V3 target saved with its MTP layer as `model.layers.{N}` (copies of the target's
     head and embedding beside it, as DeepSeek-V3's release has them)."""
     config = copy.deepcopy(config)
@@ -186,7 +187,7 @@ def deepseek_mtp_checkpoint(config: PretrainedConfig, path: Path, *, seed: int =
     target = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize_deepseek_(target, seed)
     if mode == "copy":  # DeepSeek's blocks write more than the Qwen configs' beside an embedding of 0.08
-        scale_block_outputs_(target, 0.05)
+        scale_block_outputs_(target, scale or 0.05)
     target.save_pretrained(path)
     longer, saved, _ = build_head_layer(config, None, seed + 1, randomize_deepseek_)
     layer = longer.model.layers[config.num_hidden_layers]

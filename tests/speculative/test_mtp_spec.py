@@ -1,0 +1,188 @@
+"""MTP speculation end to end (CPU, float32, tiny random checkpoints with MTP heads): greedy output
+identical with and without it for Qwen3-Next (MoE and dense), Qwen3.5 (dense and MoE), Qwen4Exp
+and DeepSeek-V3, under chunked prefill, prefix-cache hits and preemption, with drafts both
+accepted and rejected (a target that is nearly a bigram model and a head that passes the next
+token's embedding through: tests/mtp_models.py's "copy" mode); a checkpoint without the head's
+tensors is refused at start-up; the head's cache follows the target's exactly."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from deepseek_models import MOE, deepseek_config
+from hybrid_models import HYBRID_CONFIGS, randomize_hybrid_
+from hybrid_models import random_prompts as hybrid_prompts
+from mtp_models import MTPCheckpoint, deepseek_mtp_checkpoint, qwen4exp_extras, qwen_mtp_checkpoint
+from qwen4exp_models import QWEN4EXP_CONFIGS
+from safetensors.torch import load_file, save_file
+from transformers import Qwen4ExpForCausalLM
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.engine import EngineStats
+from tokenmill.errors import ConfigError
+
+GAMMA = 3
+BLOCK = 8
+PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+TIED = {"qwen3_next-dense-interval2-half-rotary", "qwen4exp-interval2-sigmoid-one-ple", "deepseek-v3-neox-tied"}
+
+
+def make_checkpoint(name: str, path: Path, mode: str = "copy") -> MTPCheckpoint:
+    """A tied head makes a nearly-bigram target repeat its input token: its blocks are scaled up to break it."""
+    scale = (1.5 if name.startswith("deepseek") else 0.6) if name in TIED else None
+    if name in HYBRID_CONFIGS:
+        return qwen_mtp_checkpoint(name, path, HYBRID_CONFIGS, randomize_hybrid_, mode=mode, scale=scale)
+    if name in QWEN4EXP_CONFIGS:
+        return qwen_mtp_checkpoint(name, path, QWEN4EXP_CONFIGS, randomize_hybrid_, mode=mode, scale=scale,
+                                   make=lambda c: Qwen4ExpForCausalLM(c).float(), layer_type="indexed_attention",
+                                   extra_tensors=qwen4exp_extras)
+    config = {"deepseek-v3": deepseek_config("v3-moe"),
+              "deepseek-v3-neox-tied": deepseek_config("v3-neox", **MOE, norm_topk_prob=True)}[name]
+    return deepseek_mtp_checkpoint(config, path, mode=mode, scale=scale)
+
+
+def vocab_of(name: str) -> int:
+    if name in HYBRID_CONFIGS:
+        return HYBRID_CONFIGS[name].vocab_size
+    if name in QWEN4EXP_CONFIGS:
+        return QWEN4EXP_CONFIGS[name].vocab_size
+    return 320
+
+
+def workload(vocab: int) -> list[list[int]]:
+    """Prompts of 5 to 70 tokens, two sharing a 41-token prefix (a prefix hit)."""
+    prompts = hybrid_prompts((5, 70, 23), seed=7, vocab=vocab)
+    shared = hybrid_prompts((41,), seed=8, vocab=vocab)[0]
+    return prompts + [shared + [1], shared + [2, 3]]
+
+
+def engine(path: Path, spec: dict | None, num_blocks: int | None = None, **overrides: object) -> LLM:
+    """Blocks of 8, steps of 16 tokens (chunked prefill), three sequences; `num_blocks`: a cache of
+    that many blocks beside the state slots (and a snapshot per block for hybrid prefix hits)."""
+    settings: dict = dict(device="cpu", dtype="float32", block_size=BLOCK, max_num_batched_tokens=16, max_num_seqs=3,
+                          max_model_len=96, mamba_state_interval=BLOCK, speculative_config=spec)
+    settings.update(overrides)
+    if num_blocks is None:
+        return LLM(str(path), kv_cache_bytes=1 << 22, **settings)
+    plan = LLM(str(path), kv_cache_bytes=1 << 22, **settings).engine.runner.cache_plan
+    snapshots = 12 if plan.bytes_per_state_slot else 0
+    budget = (plan.num_state_slots + 1 + snapshots) * plan.bytes_per_state_slot + num_blocks * plan.bytes_per_block
+    return LLM(str(path), kv_cache_bytes=budget, mamba_snapshot_bytes=snapshots * plan.bytes_per_state_slot, **settings)
+
+
+def run(path: Path, prompts: list[list[int]], spec: dict | None, **overrides: object) -> tuple[list[list[int]], EngineStats]:
+    llm = engine(path, spec, num_blocks=13, **overrides)
+    outputs = llm.generate(prompts, PARAMS)
+    stats = llm.engine.stats()
+    assert stats.kv_blocks_used == 0
+    return [o.outputs[0].token_ids for o in outputs], stats
+
+
+FAMILIES = ["qwen3_next", "qwen3_next-dense-interval2-half-rotary", "qwen3_5", "qwen3_5_moe", "qwen4exp",
+            "qwen4exp-interval2-sigmoid-one-ple", "deepseek-v3", "deepseek-v3-neox-tied"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = tmp_path_factory.mktemp(name)
+            make_checkpoint(name, made[name])
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_greedy_output_is_plain_decodings(name: str, checkpoints: Callable[[str], Path]) -> None:
+    path = checkpoints(name)
+    prompts = workload(vocab_of(name))
+    plain, _ = run(path, prompts, None)
+    spec, stats = run(path, prompts, {"method": "mtp", "num_speculative_tokens": GAMMA})
+    print(f"{name}: {stats.num_preemptions} preemptions, {stats.prefix_cache_hits} prefix-hit tokens, "
+          f"{stats.spec_num_accepted_tokens}/{stats.spec_num_draft_tokens} drafts accepted, per position "
+          f"{stats.spec_num_accepted_tokens_per_pos}")
+    assert spec == plain
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert stats.spec_num_accepted_tokens_per_pos[GAMMA - 1] > 0  # every draft of a proposal accepted, at times
+
+
+@pytest.mark.parametrize("options", [{"verification": "block"}, {"draft_sampling": "greedy", "num_speculative_tokens": 1},
+                                     {"num_speculative_tokens": 5}])
+def test_verification_rules_and_draft_lengths_keep_the_output(options: dict, checkpoints: Callable[[str], Path]) -> None:
+    path = checkpoints("qwen3_next")
+    prompts = workload(vocab_of("qwen3_next"))
+    plain, _ = run(path, prompts, None)
+    spec, stats = run(path, prompts, {"method": "mtp", "num_speculative_tokens": GAMMA, **options})
+    assert spec == plain and stats.spec_num_accepted_tokens > 0
+
+
+def test_the_heads_cache_keeps_level_with_the_targets(checkpoints: Callable[[str], Path],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """After every step the head has computed exactly the positions the target has (its rows
+    follow the target's), and every proposal but a request's first is served from the row the
+    step before left (no proposal skipped for want of it)."""
+    from tokenmill.speculative.mtp import MTPProposer
+
+    llm = engine(checkpoints("deepseek-v3"), {"method": "mtp", "num_speculative_tokens": GAMMA})
+    proposer = llm.engine.proposer
+    assert isinstance(proposer, MTPProposer)
+    drafted, asked = [], []
+    propose = MTPProposer.propose
+
+    def counted(self, requests, limits):
+        propose(self, requests, limits)
+        asked.append(len(requests))
+        drafted.append(sum(r.drafts.count > 0 for r in requests))
+        for r in requests:
+            assert r.draft_num_computed == r.num_computed_tokens == r.num_tokens - 1
+
+    monkeypatch.setattr(MTPProposer, "propose", counted)
+    llm.generate(workload(320), PARAMS)
+    assert asked and drafted == asked
+
+
+def test_a_checkpoint_without_the_heads_tensors_is_refused(tmp_path: Path, checkpoints: Callable[[str], Path]) -> None:
+    source = checkpoints("qwen3_5")
+    for name in ("config.json", "generation_config.json"):
+        if (source / name).is_file():
+            (tmp_path / name).write_bytes((source / name).read_bytes())
+    tensors = {n: t for n, t in load_file(source / "model.safetensors").items() if not n.startswith("mtp.")}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_bytes=1 << 22, max_model_len=128)  # serves without MTP
+    with pytest.raises(ConfigError, match="has no weights of the Qwen3_5ForCausalLM MTP head"):
+        engine(tmp_path, {"method": "mtp", "num_speculative_tokens": GAMMA})
+
+
+def test_a_model_without_an_mtp_head_is_refused(tmp_path: Path) -> None:
+    from tiny_models import save_tiny_checkpoint
+
+    save_tiny_checkpoint("qwen3_moe", tmp_path)
+    with pytest.raises(ConfigError, match="has no multi-token-prediction"):
+        LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_bytes=1 << 22,
+            speculative_config={"method": "mtp", "num_speculative_tokens": GAMMA})
+
+
+def test_unknown_qwen4exp_mtp_layouts_are_refused(tmp_path: Path, checkpoints: Callable[[str], Path]) -> None:
+    import json
+
+    source = checkpoints("qwen4exp")
+    for name in ("model.safetensors", "generation_config.json"):
+        if (source / name).is_file():
+            (tmp_path / name).write_bytes((source / name).read_bytes())
+    config = json.loads((source / "config.json").read_text())
+    for change, message in [({"mtp": {"mtp_use_hidden_state_from_layer": 40}}, "mtp_use_hidden_state_from_layer"),
+                            ({"mtp": {"layer_types": ["linear_attention"]}}, "one QSA attention layer"),
+                            ({"mtp": {"frobnicate": 1}}, r"sets \['frobnicate'\]"),
+                            ({"mtp_use_dedicated_embeddings": True}, "mtp_use_dedicated_embeddings"),
+                            ({"mtp_num_hidden_layers": 2}, "MTP heads of one layer")]:
+        (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(ConfigError, match=message):
+            engine(tmp_path, {"method": "mtp", "num_speculative_tokens": GAMMA})
