@@ -7,16 +7,19 @@ tensors is refused at start-up; the head's cache follows the target's exactly.""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from mtp_cases import GAMMA, engine, make_checkpoint, vocab_of, workload
 from safetensors.torch import load_file, save_file
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.engine import EngineStats
 from tokenmill.errors import ConfigError
+from tokenmill.runner.cuda_graphs import StepGraphs
 
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -133,3 +136,93 @@ def test_unknown_qwen4exp_mtp_layouts_are_refused(tmp_path: Path, checkpoints: C
         (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(ConfigError, match=message):
             engine(tmp_path, {"method": "mtp", "num_speculative_tokens": GAMMA})
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "deepseek-v3"])
+def test_a_draft_vocabulary_restricts_the_heads_output(name: str, tmp_path: Path, checkpoints: Callable[[str], Path],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The head drafts only ids of the vocabulary file (its own output head of those rows, the
+    target's untouched); the output is still plain decoding's. The file holds the tokens plain
+    decoding emits most (as `tokenmill draft-vocab build` picks a deployment's), so acceptance
+    stays near the full vocabulary's; both are printed."""
+    from collections import Counter
+
+    from tokenmill.speculative.draft_vocab import save_draft_vocab
+
+    path = checkpoints(name)
+    prompts = workload(vocab_of(name))
+    plain, _ = run(path, prompts, None)
+    _, full = run(path, prompts, {"method": "mtp", "num_speculative_tokens": GAMMA})
+    counts = Counter(t for out in plain for t in out)
+    ids = sorted(t for t, _ in counts.most_common(len(counts) // 2))
+    vocab = save_draft_vocab(ids, tmp_path / "vocab.txt")
+    drafted: list[int] = []
+    from tokenmill.speculative.mtp import MTPProposer
+
+    propose = MTPProposer.propose
+
+    def recorded(self, requests, limits):
+        propose(self, requests, limits)
+        drafted.extend(t for r in requests if r.drafts.count for t in r.drafts.device_ids.tolist())
+
+    monkeypatch.setattr(MTPProposer, "propose", recorded)
+    spec = {"method": "mtp", "num_speculative_tokens": GAMMA, "draft_vocab": str(vocab)}
+    llm = engine(path, spec, num_blocks=13)
+    head, target = llm.engine.proposer.head, llm.engine.runner.model
+    assert head.lm_head.weight.shape[0] == len(ids) and head.lm_head is not target.lm_head
+    assert target.lm_head.weight.shape[0] == vocab_of(name)
+    outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)]
+    stats = llm.engine.stats()
+    print(f"{name}: acceptance length with the full vocabulary {1 + full.spec_num_accepted_tokens / full.spec_num_drafts:.2f}, "
+          f"with {len(ids)} of {vocab_of(name)} ids {1 + stats.spec_num_accepted_tokens / stats.spec_num_drafts:.2f}")
+    assert outputs == plain
+    assert drafted and set(drafted) <= set(ids)
+    assert stats.spec_num_accepted_tokens > 0
+
+
+class _StagedEagerly(StepGraphs):
+    """A StepGraphs whose "replay" runs the step function eagerly over the staged static buffers
+    (CPU: nothing is captured): what a graph of the head reads, padding rows included."""
+
+    def run_outputs(self, input_ids, ctx):
+        bucket, context = self.stage(input_ids, ctx)
+        static = self.static_context(bucket, context)
+        batch = ctx.attention.num_requests
+        lengths = ctx.attention.seq_lens_host + [self.query_len] * (bucket - batch)  # the torch backend reads them
+        static.attention = dataclasses.replace(static.attention, seq_lens_host=lengths)
+        outputs = self.step_function(self.input_ids[: bucket * self.query_len], static)
+        return tuple(out[: batch * (out.shape[0] // bucket)] for out in outputs)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen4exp"])
+def test_the_heads_steps_staged_in_graph_buffers_draft_what_eager_steps_draft(name: str,
+                                                                             checkpoints: Callable[[str], Path]) -> None:
+    """The head's following (1 + gamma rows per request) and chained (1 row) steps through the
+    static buffers a CUDA graph replays (a batch of 3 padded to 4, the pick of each request's
+    accepted row as a per-request input, the hidden states as per-token inputs): the same
+    drafts, so the same acceptance, and plain decoding's output."""
+    from tokenmill.models.interface import MTP_HIDDEN
+    from tokenmill.runner.cuda_graphs import TokenInputSpec
+
+    path = checkpoints(name)
+    prompts = workload(vocab_of(name))
+    spec = {"method": "mtp", "num_speculative_tokens": GAMMA}
+    plain, _ = run(path, prompts, None)
+    eager = engine(path, spec, max_num_batched_tokens=128)
+    eager_out = [o.outputs[0].token_ids for o in eager.generate(prompts, PARAMS)]
+    staged = engine(path, spec, max_num_batched_tokens=128)
+    proposer, runner = staged.engine.proposer, staged.engine.runner
+    inputs = {MTP_HIDDEN: TokenInputSpec((proposer.head.width,), torch.float32)}
+    used: list[int] = []
+    for q in (1, 1 + GAMMA):
+        graphs = _StagedEagerly(proposer.head, 4, runner.max_blocks_per_seq, runner.num_blocks, runner.block_size,
+                                96, runner.device, q, f"MTP {q}-row", request_inputs=proposer.head.request_inputs(),
+                                step_function=proposer._picked, token_inputs=inputs)
+        original = graphs.run_outputs
+        graphs.run_outputs = lambda ids, ctx, q=q, original=original: used.append(q) or original(ids, ctx)
+        proposer.graphs[q] = graphs
+    staged_out = [o.outputs[0].token_ids for o in staged.generate(prompts, PARAMS)]
+    assert eager_out == staged_out == plain
+    assert set(used) == {1, 1 + GAMMA}
+    a, b = eager.engine.stats(), staged.engine.stats()
+    assert (a.spec_num_draft_tokens, a.spec_num_accepted_tokens) == (b.spec_num_draft_tokens, b.spec_num_accepted_tokens)

@@ -297,13 +297,17 @@ class ModelRunner:
         if inputs.uniform_query_len is not None:
             for graphs in self.graphs:
                 if graphs.fits(ctx.attention.num_requests, inputs.uniform_query_len):
-                    outputs = graphs.run_outputs(inputs.input_ids, ctx)
-                    return outputs[0], outputs[1] if tapped else None
+                    if not tapped:
+                        return graphs.run(inputs.input_ids, ctx), None
+                    logits, tap = graphs.run_outputs(inputs.input_ids, ctx)
+                    return logits, tap
         if 0 < inputs.logits_indices.numel() == inputs.input_ids.numel():  # every row sampled: decode and verify
             for graphs in self.graphs:
                 if graphs.fits_padded(ctx.attention):
-                    outputs = graphs.run_padded_outputs(inputs.input_ids, ctx)
-                    return outputs[0], outputs[1] if tapped else None
+                    if not tapped:
+                        return graphs.run_padded(inputs.input_ids, ctx), None
+                    logits, tap = graphs.run_padded_outputs(inputs.input_ids, ctx)
+                    return logits, tap
         if tapped:
             ctx.keep_hidden = self.model.mtp_keep_hidden()
         hidden = self.model(inputs.input_ids, ctx)
