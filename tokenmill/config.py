@@ -367,7 +367,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     sp.add_argument("--speculative-config", default=None, metavar="JSON",
                     help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or \'{"method": "draft_model", '
                          '"model": "path", "verification": "block", "draft_sampling": "greedy", "draft_vocab": '
-                         '"ids.txt.gz"}\'; keys as in tokenmill/config.py SpeculativeConfig')
+                         '"ids.txt.gz"}\' or \'{"method": "mtp", "num_speculative_tokens": 3}\' (the checkpoint\'s own '
+                         'MTP head); keys as in tokenmill/config.py SpeculativeConfig')
 
     p = parser.add_argument_group("device")
     p.add_argument("--device", default=AUTO, help="cuda, cpu or auto")
