@@ -226,3 +226,18 @@ def test_the_heads_steps_staged_in_graph_buffers_draft_what_eager_steps_draft(na
     assert set(used) == {1, 1 + GAMMA}
     a, b = eager.engine.stats(), staged.engine.stats()
     assert (a.spec_num_draft_tokens, a.spec_num_accepted_tokens) == (b.spec_num_draft_tokens, b.spec_num_accepted_tokens)
+
+
+@pytest.mark.parametrize("draft_sampling", ["greedy", "probabilistic"])
+def test_penalties_and_min_tokens_see_every_mtp_draft(draft_sampling: str, checkpoints: Callable[[str], Path]) -> None:
+    """Penalties count the drafts before each position (the head's drafts kept on the host for such
+    requests) and min_tokens bans stop tokens at draft positions: plain decoding's output."""
+    path = checkpoints("deepseek-v3")
+    prompts = workload(vocab_of("deepseek-v3"))[:3]
+    params = [SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=16, presence_penalty=0.8, frequency_penalty=0.4),
+              SamplingParams(temperature=0, max_tokens=16, min_tokens=12, stop_token_ids=[5, 9])]
+    plain = [o.outputs[0].token_ids for o in engine(path, None).generate(prompts, params)]
+    llm = engine(path, {"method": "mtp", "num_speculative_tokens": GAMMA, "draft_sampling": draft_sampling})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+    assert llm.engine.stats().spec_num_accepted_tokens > 0
