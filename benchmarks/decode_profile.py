@@ -240,14 +240,14 @@ def spec_phases() -> list[tuple[object, str]]:
     from tokenmill.runner.model_runner import ModelRunner
     from tokenmill.sample import draft_verification as target_step
     from tokenmill.sample import sampler
-    from tokenmill.speculative import draft_model
+    from tokenmill.speculative import draft_model, draft_sampling
 
     return [(LLMEngine, "_propose"), (LLMEngine, "_resolve"), (LLMEngine, "_append_tokens"), (Scheduler, "schedule"),
             (ModelRunner, "prepare_inputs"), (ModelRunner, "_logits"), (ModelRunner, "_copy_to_host"),
             (target_step, "verify_drafts"), (ModelRunner, "execute"), (sampler.Sampler, "forward"),
             (draft_model.DraftModelProposer, "_catch_up"),
             (draft_model.DraftModelProposer, "_decode"), (draft_model.DraftModelProposer, "_reserve"),
-            (draft_model, "_DecodeSteps"), (sampler.SamplingMetadata, "build"), (draft_model, "processed_probs")]
+            (draft_model, "_DecodeSteps"), (sampler.SamplingMetadata, "build"), (draft_sampling, "processed_probs")]
 
 
 def labelled(owner: object, name: str) -> None:

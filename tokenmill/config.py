@@ -110,7 +110,7 @@ class ParallelConfig:
     """GPUs one model is split over (only 1 is supported yet)."""
 
 
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "draft_model", "mtp")
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,8 @@ class SpeculativeConfig:
     """Speculative decoding, given as `--speculative-config '{"method": "ngram", ...}'` (vLLM's keys)."""
 
     method: str | None = None
-    """ngram (prompt lookup) or draft_model; None = off."""
+    """ngram (prompt lookup), draft_model, or mtp (the target's own multi-token-prediction head,
+    from its checkpoint); None = off."""
     num_speculative_tokens: int = 4
     """Drafts proposed per step (gamma)."""
     model: str | None = None
@@ -128,9 +129,9 @@ class SpeculativeConfig:
     draft_sampling: str = "probabilistic"
     """probabilistic (draws from q, recorded exactly) or greedy (one-hot q)."""
     draft_vocab: str | None = None
-    """File of token ids (.txt, .txt.gz, .npy) the draft head is restricted to."""
+    """File of token ids (.txt, .txt.gz, .npy) the draft's (or MTP head's) output head is restricted to."""
     draft_kv_cache_dtype: str = AUTO
-    """auto = the draft model's dtype; fp8."""
+    """KV of the draft model or MTP head: auto = the model's dtype; fp8."""
     quantization: str | None = None
     """fp8: quantize the draft's linear layers (output head too) to FP8 E4M3 weights at load, one
     scale per output row (weight-only); halves the bytes each draft step reads. A draft checkpoint
@@ -168,6 +169,11 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative method {self.method!r} is unknown; use one of {', '.join(SPEC_METHODS)}")
         if self.method == "draft_model" and not self.model:
             raise ConfigError('the draft_model method needs "model": a draft checkpoint with the target\'s tokenizer')
+        if self.method == "mtp" and self.model:
+            raise ConfigError('the mtp method drafts with the MTP head in the target\'s own checkpoint: drop "model" '
+                              '(or use the draft_model method)')
+        if self.method == "ngram" and self.draft_vocab:
+            raise ConfigError("draft_vocab restricts a draft's output head; the ngram method has none")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ConfigError("num_speculative_tokens must be in 1..16")
         if self.verification not in ("token", "block"):
@@ -397,7 +403,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     sp.add_argument("--speculative-config", default=None, metavar="JSON",
                     help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or \'{"method": "draft_model", '
                          '"model": "path", "verification": "block", "draft_sampling": "greedy", "draft_vocab": '
-                         '"ids.txt.gz"}\'; keys as in tokenmill/config.py SpeculativeConfig')
+                         '"ids.txt.gz"}\' or \'{"method": "mtp", "num_speculative_tokens": 3}\' (the checkpoint\'s own '
+                         'MTP head); keys as in tokenmill/config.py SpeculativeConfig')
 
     p = parser.add_argument_group("device")
     p.add_argument("--device", default=AUTO, help="cuda, cpu or auto")

@@ -23,6 +23,8 @@ def test_json_keys_become_fields() -> None:
         ('{"method": "ngram", "gamma": 4}', r"unknown keys \['gamma'\]"),
         ('{"method": "eagle"}', "speculative method 'eagle' is unknown"),
         ('{"method": "draft_model"}', 'needs "model"'),
+        ('{"method": "mtp", "model": "d"}', 'target\'s own checkpoint: drop "model"'),
+        ('{"method": "mtp", "quantization": "fp8"}', "the mtp method has none"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', r"in 1\.\.16"),
         ('{"method": "ngram", "verification": "tree"}', "must be token or block"),
         ('{"method": "ngram", "verification": "benchmark_accept_all"}', "benchmark-only mode"),

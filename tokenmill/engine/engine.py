@@ -21,7 +21,7 @@ from tokenmill.models.loader import load_hf_config, load_tokenizer, resolve_mode
 from tokenmill.outputs import CompletionOutput, RequestOutput, SpecUsage, TokenLogprobs
 from tokenmill.runner.model_runner import ModelRunner, StepOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.speculative.proposers import DraftModel, build_proposer
+from tokenmill.speculative.proposers import build_drafter, build_proposer, reads_target_hidden, runner_companions
 from tokenmill.speculative.stats import SpecStats
 
 logger = logging.getLogger(__name__)
@@ -71,11 +71,12 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.source)
         self.model_name = config.model.model or self.source.name
         torch.manual_seed(config.model.seed)
-        draft = DraftModel(config) if config.speculative.method == "draft_model" else None
-        self.runner = ModelRunner(config, hf_config, self.source, draft.cache_layers() if draft else None)
+        drafter = build_drafter(config, self.source)
+        companion_cache_layers, head = runner_companions(drafter)
+        self.runner = ModelRunner(config, hf_config, self.source, companion_cache_layers, head)
         self.config = config.with_num_blocks(self.runner.num_blocks)
         self.kv = KVCacheCoordinator(self.runner.cache_plan, config.cache.enable_prefix_caching,
-                                     config.cache.mamba_state_interval)
+                                     config.cache.mamba_state_interval, recompute_last_hit_block=reads_target_hidden(config))
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
         self.requests: dict[str, Request] = {}
@@ -87,7 +88,7 @@ class LLMEngine:
         self.async_scheduling = self.config.scheduler.async_scheduling
         self._in_flight: LaunchedStep | None = None
         self.spec_stats = SpecStats()
-        self.proposer = build_proposer(self.config, self.runner, self.kv, draft)
+        self.proposer = build_proposer(self.config, self.runner, self.kv, drafter)
 
     # ---- requests -------------------------------------------------------------------------
 

@@ -14,8 +14,9 @@ from tokenmill.kv.state_snapshots import StateSnapshotCache
 
 
 class KVCacheCoordinator:
-    def __init__(self, plan: CachePlan, enable_prefix_caching: bool, state_interval: int = 256) -> None:
-        self.paged = PagedCacheManager(plan.num_blocks, plan.block_size, enable_prefix_caching)
+    def __init__(self, plan: CachePlan, enable_prefix_caching: bool, state_interval: int = 256,
+                 recompute_last_hit_block: bool = False) -> None:
+        self.paged = PagedCacheManager(plan.num_blocks, plan.block_size, enable_prefix_caching, recompute_last_hit_block)
         self.state: StateSlotManager | None = None
         self.snapshots: StateSnapshotCache | None = None
         if plan.bytes_per_state_slot:

@@ -31,9 +31,14 @@ class CacheCounters:
 
 
 class PagedCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 recompute_last_hit_block: bool = False) -> None:
+        """recompute_last_hit_block: a prefix hit leaves its last matched block to compute again (an
+        MTP head's row at a block's last position depends on the token after the block, which the
+        request computing it may not share; vLLM does the same for its EAGLE/MTP drafts)."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.recompute_last_hit_block = recompute_last_hit_block
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
         self.num_registered: dict[str, int] = {}
@@ -58,7 +63,7 @@ class PagedCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return hits
+        return hits[:-1] if self.recompute_last_hit_block else hits
 
     def can_allocate(self, request: CachedRequest, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
         table = self.block_tables.get(request.request_id, [])

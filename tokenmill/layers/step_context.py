@@ -32,6 +32,7 @@ class StepContext:
     state_checkpoints: torch.Tensor | None = None
     token_rows: torch.Tensor | None = None  # [T] int64: the request row of each token
     request_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B, ...]
+    token_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [T, ...] (an MTP head's hidden states)
     keep_hidden: tuple[int, ...] = ()  # layers whose input hidden states the forward records
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [T, H], filled by the forward
 

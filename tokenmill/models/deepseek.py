@@ -12,7 +12,8 @@ and i % moe_layer_freq == 0 (DeepSeek's own rule; transformers' omits moe_layer_
 softmax, greedy or group-limited top-k; V3: sigmoid with the correction bias, grouped top-k by
 the two best scores of a group), routed scaling and n_shared_experts ungated shared experts.
 V3's multi-token-prediction layers (`model.layers.{N}` and beyond, N = num_hidden_layers) are not
-part of the forward: their tensors are skipped on load.
+part of the forward: their tensors are skipped on load, and with the mtp speculative method
+deepseek_mtp.py builds the head (`mtp_head`) and loads them.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from tokenmill.layers.moe import PACKED as MOE_PACKED
 from tokenmill.layers.moe import SparseMoeBlock
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.step_context import StepContext
-from tokenmill.models.interface import CausalLM, ModelBuild
+from tokenmill.models.interface import CausalLM, ModelBuild, MTPHead
 from tokenmill.models.llama import dense_mlp
 from tokenmill.models.weights import PackedModules, load_checkpoint
 
@@ -128,6 +129,13 @@ class DeepseekV2ForCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def mtp_decoder_layer(self, build: ModelBuild, index: int) -> nn.Module:
+        return DecoderLayer(build, self.rope_style(build.hf_config), index, self.make_mlp)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         num_layers = self.config.num_hidden_layers
         skipped_mtp: list[str] = []
@@ -154,3 +162,8 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     @staticmethod
     def rope_style(config: PretrainedConfig) -> RopeStyle:
         return "interleaved" if getattr(config, "rope_interleave", True) else "neox"
+
+    def mtp_head(self, build: ModelBuild) -> MTPHead:
+        from tokenmill.models.deepseek_mtp import DeepseekMTP
+
+        return DeepseekMTP(self, build)

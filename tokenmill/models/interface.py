@@ -2,7 +2,9 @@
 `StepContext`, logits from hidden states, cache specs from its cache layers, and a checkpoint
 loader driven by per-parameter weight loaders.
 
-A new architecture is one file with a `CausalLM` subclass and one line in registry.py.
+A new architecture is one file with a `CausalLM` subclass and one line in registry.py. A family
+with a multi-token-prediction head (MTP) builds it in `CausalLM.mtp_head`, an `MTPHead` over the
+target's own embedding and output head, run by tokenmill.speculative.mtp as a proposer.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from tokenmill.errors import ConfigError
 from tokenmill.kv.specs import CacheLayer, CacheSpec
 from tokenmill.layers.attention import AttentionBackend
 from tokenmill.layers.step_context import RequestInputSpec, StepContext
@@ -43,16 +46,13 @@ class ModelBuild:
         return self.kv_cache_dtype or torch.get_default_dtype()
 
 
-class CausalLM(nn.Module, ABC):
-    """A decoder-only language model over tokenmill's packed batches."""
-
-    def __init__(self, build: ModelBuild) -> None:
-        super().__init__()
-        self.config = build.hf_config
+class StepModel(nn.Module, ABC):
+    """What a step runs (a target or a draft, eagerly or in a CUDA graph): a forward over a packed
+    batch, logits of hidden-state rows, its cache layers and per-request inputs."""
 
     @abstractmethod
     def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """Final hidden states [T, hidden] of the packed tokens."""
+        """Hidden states [T, width] of the packed tokens."""
 
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -96,3 +96,81 @@ class CausalLM(nn.Module, ABC):
             method = getattr(module, "method", None)
             if isinstance(method, (LinearMethod, FusedMoEMethod)):
                 method.process_weights_after_loading(module)  # type: ignore[arg-type]
+
+
+MTP_HIDDEN = "mtp_hidden"
+"""StepContext.token_inputs key of the hidden states an MTP head reads per row."""
+MTP_PICK = "mtp_pick"
+"""StepContext.request_inputs key of the row (within each request) whose output a head's step returns."""
+
+
+class MTPHead(StepModel):
+    """A target's multi-token-prediction layer: row p reads the token at p + 1 (`input_ids`) and a
+    hidden state (`ctx.token_inputs[MTP_HIDDEN]`, [T, width]): the target's (`CausalLM.mtp_tap`)
+    at p for a position the target computed, or, chained, the head's own output at p - 1. Its
+    forward returns what the next chained step reads (`width` wide); `compute_logits` gives the
+    logits of the token at p + 2. The embedding and the output head are the target's (shared, not
+    its parameters) until a draft vocabulary gives it its own (`set_output_head`)."""
+
+    width: int  # features of the hidden state it reads and returns, per row
+
+    def __init__(self, embed_tokens: nn.Embedding, lm_head: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "_embed_tokens", embed_tokens)  # shared with the target: not a submodule
+        object.__setattr__(self, "_lm_head", lm_head)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self._embed_tokens
+
+    @property
+    def lm_head(self) -> nn.Module:
+        """The output head: the target's, or the head's own after `set_output_head`."""
+        own = self._modules.get("own_lm_head")
+        return self._lm_head if own is None else own
+
+    def set_output_head(self, head: nn.Module) -> None:
+        """Give the head an output head of its own (a restriction to a draft vocabulary)."""
+        self.own_lm_head = head
+
+    @abstractmethod
+    def owns(self, name: str) -> bool:
+        """Whether a checkpoint tensor (by its name in the target's checkpoint) is this head's."""
+
+    def request_inputs(self) -> dict[str, RequestInputSpec]:
+        return {MTP_PICK: RequestInputSpec((), torch.int64)}
+
+
+class CausalLM(StepModel):
+    """A decoder-only language model over tokenmill's packed batches."""
+
+    def __init__(self, build: ModelBuild) -> None:
+        super().__init__()
+        self.config = build.hf_config
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """Final hidden states [T, hidden] of the packed tokens."""
+
+    def mtp_head(self, build: ModelBuild) -> MTPHead:
+        """This model's MTP head, constructed (not loaded); ConfigError where the family or the
+        config has none."""
+        raise ConfigError(f"{type(self).__name__} has no multi-token-prediction (MTP) head in tokenmill; "
+                          "use the ngram or draft_model speculative method")
+
+    def mtp_keep_hidden(self) -> tuple[int, ...]:
+        """StepContext.keep_hidden entries the MTP tap needs the forward to record (none: the tap is
+        the forward's output)."""
+        return ()
+
+    def mtp_tap(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """The hidden states [T, width] the MTP head reads per row, from the forward's output (and
+        ctx.hidden): by default the output itself (after the final norm, as vLLM and SGLang feed
+        their MTP heads)."""
+        return hidden
+
+    @classmethod
+    def serving_config(cls, config: PretrainedConfig) -> PretrainedConfig:
+        """The config the engine runs a checkpoint with: the config itself, or for a multimodal
+        checkpoint served as text only, its text part."""
+        return config

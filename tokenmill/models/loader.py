@@ -10,7 +10,7 @@ import importlib.util
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,20 +162,22 @@ def load_hf_config(source: CheckpointSource) -> PretrainedConfig:
     return serving_config(config)
 
 
-def iter_weights(source: CheckpointSource) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF parameter name, tensor), one tensor in memory at a time.
+def iter_weights(source: CheckpointSource, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF parameter name, tensor), one tensor in memory at a time; with `keep`, only the
+    tensors whose name it accepts (the others are never read).
 
     safetensors keep their stored dtype; GGUF F32/F16/BF16 keep theirs and quantized tensors
     come out as float32. A tied lm_head is not yielded when the checkpoint does not store it.
     """
     if source.gguf_file is not None:
-        yield from iter_gguf_weights(open_gguf(source.gguf_file))
+        yield from ((n, t) for n, t in iter_gguf_weights(open_gguf(source.gguf_file)) if keep is None or keep(n))
         return
     for file in safetensors_files(source.path):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if keep is None or keep(name):
+                        yield name, f.get_tensor(name)
         except ModelLoadError:
             raise
         except Exception as e:  # SafetensorError, OSError on a short read

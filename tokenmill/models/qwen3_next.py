@@ -12,7 +12,8 @@ always renormalises); Qwen3.5 is dense.
 
 Published Qwen3.5 checkpoints are multimodal (`Qwen3_5MoeForConditionalGeneration`): the text
 model is served from `text_config`, its weights under `model.language_model.*`; the vision
-tower (`model.visual.*`) and the MTP head (`mtp.*`) are not loaded.
+tower (`model.visual.*`) is not loaded. The MTP head (`mtp.*`) is not part of the model: with the
+mtp speculative method, qwen3_next_mtp.py builds it (`mtp_head`) and loads its tensors.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from tokenmill.layers.moe import SparseMoeBlock
 from tokenmill.layers.norm import ZeroCenteredRMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.layers.step_context import StepContext
-from tokenmill.models.interface import CausalLM, ModelBuild
+from tokenmill.models.interface import CausalLM, ModelBuild, MTPHead
 from tokenmill.models.llama import PACKED, Attention, Variant, dense_mlp, head_dim_of
 from tokenmill.models.qwen_moe import is_sparse_layer
 from tokenmill.models.weights import PackedModules, load_checkpoint
@@ -149,6 +150,18 @@ class Qwen3NextForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def mtp_head(self, build: ModelBuild) -> MTPHead:
+        from tokenmill.models.qwen3_next_mtp import Qwen3NextMTP
+
+        return Qwen3NextMTP(self, build)
+
+    def mtp_decoder_layer(self, build: ModelBuild, prefix: str) -> nn.Module:
+        """The MTP head's layer: full gated attention, the MLP this model gives layer index 0 (vLLM's)."""
+        config = build.hf_config
+        rotary = RotaryEmbedding(config, head_dim_of(config), build.max_model_len, build.use_triton, rotary_dim(config))
+        return HybridDecoderLayer(build, rotary, FULL_ATTENTION, prefix, self.make_mlp(build, 0, f"{prefix}.mlp"),
+                                  self.grouped_projections)
 
     def checkpoint_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Checkpoint tensors under this module's names: the decoder's `model.` prefix dropped, the

@@ -13,13 +13,14 @@ indexed attention: Qwen3-Next's gated attention whose queries attend only the to
 indexer selects (layers/attention/qsa.py). The MoE is Qwen3-Next's (softmax top-k, a
 sigmoid-gated shared expert). Checkpoints: `Qwen4ExpForCausalLM` (`model.*`), or
 `Qwen4ExpForConditionalGeneration` whose text model is served (`model.language_model.*`; the
-vision tower and the MTP head are not loaded); a PLE table may come in `split_ngram_parts`
-row shards (`ngram_embedding.shard_{i}.weight`, torch.chunk's split), and its hash constants
-are checked against the ones the config gives.
+vision tower is not loaded, the MTP head only by qwen4_exp_mtp.py with the mtp speculative
+method); a PLE table may come in `split_ngram_parts` row shards (`ngram_embedding.shard_{i}.weight`,
+torch.chunk's split), and its hash constants are checked against the ones the config gives.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Iterable, Iterator
 
@@ -36,7 +37,7 @@ from tokenmill.layers.moe import SparseMoeBlock
 from tokenmill.layers.ngram_memory import HASH_CONSTANTS, PLELayer
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.layers.step_context import StepContext
-from tokenmill.models.interface import CausalLM, ModelBuild
+from tokenmill.models.interface import CausalLM, ModelBuild, MTPHead
 from tokenmill.models.llama import head_dim_of
 from tokenmill.models.qwen3_next import GatedAttention, Qwen3NextForCausalLM, _TextOfMultimodal, layer_types, rotary_dim
 from tokenmill.models.weights import PackedModules
@@ -49,12 +50,12 @@ class IndexedAttention(GatedAttention):
     """Gated attention over the tokens the indexer selects: the K/V cache as GatedAttention's,
     the indexer's pooled keys and key window as cache layers of their own."""
 
-    def __init__(self, build: ModelBuild, rotary: RotaryEmbedding, prefix: str) -> None:
+    def __init__(self, build: ModelBuild, rotary: RotaryEmbedding, prefix: str, paged_raw_keys: bool = False) -> None:
         super().__init__(build, rotary, prefix)
         self.qsa = qsa_backend(build.attention_backend.name)
         self.qsa.check_supported(self.num_heads, self.num_kv_heads, torch.get_default_dtype(), self.kv_dtype)
         self.indexer = QSAIndexer(build.hf_config, rotary, self.qsa, quant=build.quant, prefix=f"{prefix}.indexer",
-                                  block_size=build.block_size, use_triton=build.use_triton)
+                                  block_size=build.block_size, use_triton=build.use_triton, paged_raw_keys=paged_raw_keys)
 
     def attend(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         blocks = self.indexer(x, ctx)
@@ -66,7 +67,8 @@ class IndexedAttention(GatedAttention):
 
 class Qwen4ExpDecoderLayer(nn.Module):
     def __init__(self, build: ModelBuild, rotary: RotaryEmbedding, layer_type: str, prefix: str,
-                 ple_index: int | None) -> None:
+                 ple_index: int | None, paged_raw_keys: bool = False) -> None:
+        """paged_raw_keys: the QSA indexer keeps no per-request state (an MTP head's layer)."""
         super().__init__()
         config, quant = build.hf_config, build.quant
         self.ple = PLELayer(config, ple_index, quant=quant, prefix=f"{prefix}.ple") if ple_index is not None else None
@@ -77,7 +79,7 @@ class Qwen4ExpDecoderLayer(nn.Module):
         elif layer_type == INDEXED_ATTENTION:
             if config.indexer_n_heads is None:
                 raise ConfigError(f"{prefix}: an indexed_attention layer needs the indexer_* fields of the config")
-            self.self_attn = IndexedAttention(build, rotary, f"{prefix}.self_attn")
+            self.self_attn = IndexedAttention(build, rotary, f"{prefix}.self_attn", paged_raw_keys)
         else:
             raise ConfigError(f"{prefix}: layer type {layer_type!r} is not linear_attention or indexed_attention")
         self.mlp = SparseMoeBlock(config, f"{prefix}.mlp", quant=quant, use_triton=build.use_triton)
@@ -133,7 +135,33 @@ class Qwen4ExpForCausalLM(Qwen3NextForCausalLM):
             if i in ctx.keep_hidden:  # the streams entering layer i, side by side: [T, hc_count * hidden]
                 ctx.hidden[i] = streams.flatten(1)
             streams = layer(streams, input_ids, ctx, recurrent)
+        if len(self.layers) in ctx.keep_hidden:  # the streams before the final mixer: the MTP tap
+            ctx.hidden[len(self.layers)] = streams.flatten(1)
         return self.hyper_connection_mixer.mix(streams)[0]
+
+    def mtp_head(self, build: ModelBuild) -> MTPHead:
+        from tokenmill.models.qwen4_exp_mtp import Qwen4ExpMTP
+
+        return Qwen4ExpMTP(self, build)
+
+    def mtp_keep_hidden(self) -> tuple[int, ...]:
+        return (len(self.layers),)
+
+    def mtp_tap(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """The streams after the last layer, before the final mixer ([T, hc_count * hidden]: the
+        published Qwen4Exp MTP heads read this "pre-collapse" state, not the mixed hidden state)."""
+        return ctx.hidden[len(self.layers)]
+
+    def mtp_decoder_layer(self, build: ModelBuild, prefix: str, rope_theta: float | None = None) -> nn.Module:
+        """The MTP head's layer: a QSA indexed-attention layer with the MoE and hyper-connections,
+        no PLE, its indexer without per-request state; its rotary at `rope_theta` when the config's
+        `mtp` section gives one."""
+        config = build.hf_config
+        if rope_theta is not None:
+            config = copy.copy(config)
+            config.rope_parameters = {**(config.rope_parameters or {}), "rope_theta": rope_theta}
+        rotary = RotaryEmbedding(config, head_dim_of(config), build.max_model_len, build.use_triton, rotary_dim(config))
+        return Qwen4ExpDecoderLayer(build, rotary, INDEXED_ATTENTION, prefix, None, paged_raw_keys=True)
 
     def checkpoint_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Qwen3-Next's names; PLE table shards as rows of one table; the PLE hash constants the

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,20 @@ MAX_CAPTURED_TOKENS = 512
 # A padded step may cost this many tokens whatever its real count: a step of this few tokens
 # costs about what a one-token step does, while an eager step pays the host's launches.
 PADDING_FREE_TOKENS = 128
+
+
+StepFunction = Callable[[torch.Tensor, StepContext], tuple[torch.Tensor, ...]]
+"""(input ids, context) -> the captured outputs, logits first; each output has a row per token or
+a row per request (`StepGraphs.run_outputs` slices either to the step's real rows)."""
+
+
+@dataclass(frozen=True)
+class TokenInputSpec:
+    """A per-token input a step function reads from StepContext.token_inputs ([T, *shape]);
+    padding rows of a CUDA graph hold zeros."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 @dataclass
@@ -71,11 +86,18 @@ class StepGraphs:
         name: str = "decode",
         scratch_state_slot: int | None = None,
         request_inputs: dict[str, RequestInputSpec] | None = None,
+        step_function: StepFunction | None = None,
+        token_inputs: dict[str, TokenInputSpec] | None = None,
+        keep_hidden: tuple[int, ...] = (),
     ) -> None:
         """scratch_state_slot: the recurrent-state slot padding requests use (None: the model keeps
         no state). request_inputs: the model's per-request inputs, each a static buffer whose
-        padding rows hold the spec's pad value."""
+        padding rows hold the spec's pad value. step_function: what is captured (default: the
+        model's logits of every row); token_inputs: its per-token inputs, static buffers too;
+        keep_hidden: StepContext.keep_hidden of the captured forward (hidden states it records)."""
         self.model = model
+        self.step_function = step_function or self._logits_of_every_row
+        self.keep_hidden = keep_hidden
         self.query_len = query_len
         self.name = name
         self.buckets = batch_size_buckets(max_batch)
@@ -104,8 +126,11 @@ class StepGraphs:
             name: torch.full((n, *spec.shape), spec.pad, dtype=spec.dtype, device=device)
             for name, spec in self.request_input_specs.items()
         }
+        self.token_input_specs = dict(token_inputs or {})
+        self.token_inputs = {name: torch.zeros((tokens, *spec.shape), dtype=spec.dtype, device=device)
+                             for name, spec in self.token_input_specs.items()}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.logits: dict[tuple[int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
 
     @property
     def max_batch(self) -> int:
@@ -146,12 +171,16 @@ class StepGraphs:
             state_checkpoints=None if self.state_checkpoints is None else self.state_checkpoints[:tokens],
             token_rows=self.token_rows[:tokens],
             request_inputs={name: buffer[:batch] for name, buffer in self.request_inputs.items()},
+            token_inputs={name: buffer[:tokens] for name, buffer in self.token_inputs.items()},
+            keep_hidden=self.keep_hidden,
         )
 
-    def _forward(self, batch: int, context: int) -> torch.Tensor:
+    def _logits_of_every_row(self, input_ids: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, ...]:
+        return (self.model.compute_logits(self.model(input_ids, ctx)),)
+
+    def _forward(self, batch: int, context: int) -> tuple[torch.Tensor, ...]:
         tokens = batch * self.query_len
-        hidden = self.model(self.input_ids[:tokens], self.static_context(batch, context))
-        return self.model.compute_logits(hidden)
+        return self.step_function(self.input_ids[:tokens], self.static_context(batch, context))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -164,7 +193,7 @@ class StepGraphs:
                 self._forward(*shape)  # warm-up: autotuning and lazy initialisation outside capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.logits[shape] = self._forward(*shape)
+                    self.outputs[shape] = self._forward(*shape)
                 self.graphs[shape] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
@@ -173,9 +202,15 @@ class StepGraphs:
 
     def run(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Logits [B * query_len, V] of B <= max_batch requests adding query_len tokens each."""
+        return self.run_outputs(input_ids, ctx)[0]
+
+    def run_outputs(self, input_ids: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, ...]:
+        """Every output of the step function, sliced to the step's B requests (views of static
+        buffers: valid until the next replay of these graphs)."""
         bucket, context = self.stage(input_ids, ctx)
         self.graphs[bucket, context].replay()
-        return self.logits[bucket, context][: ctx.attention.num_requests * self.query_len]
+        batch = ctx.attention.num_requests
+        return tuple(out[: batch * (out.shape[0] // bucket)] for out in self.outputs[bucket, context])
 
     def stage(self, input_ids: torch.Tensor, ctx: StepContext) -> tuple[int, int]:
         """Copy a uniform step into the static buffers, padding requests up to the batch bucket
@@ -202,6 +237,8 @@ class StepGraphs:
                 self.state_checkpoints[:tokens].fill_(-1)
         for name, buffer in self.request_inputs.items():
             buffer[:batch].copy_(ctx.request_inputs[name], non_blocking=True)
+        for name, buffer in self.token_inputs.items():
+            buffer[:tokens].copy_(ctx.token_inputs[name], non_blocking=True)
         if batch < bucket:
             self.slot_mapping[tokens : bucket * self.query_len].fill_(self.scratch_slot)
             self.seq_lens[batch:bucket].fill_(self.query_len)
@@ -212,12 +249,18 @@ class StepGraphs:
                 self.state_checkpoints[tokens : bucket * self.query_len].fill_(-1)
             for name, buffer in self.request_inputs.items():
                 buffer[batch:bucket].fill_(self.request_input_specs[name].pad)
+            for buffer in self.token_inputs.values():
+                buffer[tokens : bucket * self.query_len].zero_()
         return bucket, context
 
     def run_padded(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Logits of the rows of a step that `fits_padded`, in its order."""
+        return self.run_padded_outputs(input_ids, ctx)[0]
+
+    def run_padded_outputs(self, input_ids: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, ...]:
+        """The per-token outputs of the step function at the rows of a step that `fits_padded`."""
         step = self.pad(input_ids, ctx)
-        return self.run(step.input_ids, step.ctx)[step.real_rows]
+        return tuple(out[step.real_rows] for out in self.run_outputs(step.input_ids, step.ctx))
 
     def pad(self, input_ids: torch.Tensor, ctx: StepContext) -> PaddedStep:
         """The step with each request's rows padded at the front to query_len. Request b's pad rows

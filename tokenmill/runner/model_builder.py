@@ -8,12 +8,14 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from transformers import PretrainedConfig
 
 from tokenmill.config import EngineConfig
-from tokenmill.models.interface import CausalLM, ModelBuild
+from tokenmill.errors import ConfigError
+from tokenmill.models.interface import CausalLM, ModelBuild, MTPHead
 from tokenmill.models.loader import CheckpointSource, checkpoint_tensor_dtypes, iter_weights, load_hf_quant_config
 from tokenmill.models.registry import model_class
 from tokenmill.models.weights import modules_by_target
@@ -25,6 +27,7 @@ from tokenmill.quantization.dual import DualWeights
 from tokenmill.quantization.format_base import EngineChoices
 
 logger = logging.getLogger(__name__)
+_Module = TypeVar("_Module", bound=torch.nn.Module)
 
 HIGH_PRECISION = ("F32", "BF16", "F16", "F64")
 DUMMY_E8M0_SCALE = 127 - 11  # 2^-11, about 0.02 / 32
@@ -52,6 +55,29 @@ def engine_choices(config: EngineConfig, device: torch.device) -> EngineChoices:
     """What the engine brings to a checkpoint's formats: the device's capability, the NVFP4 mode."""
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     return EngineChoices(capability=capability, nvfp4_mode=config.model.nvfp4_mode)
+
+
+def build_mtp_head(
+    target: CausalLM, build: ModelBuild, source: CheckpointSource, *, dtype: torch.dtype, device: torch.device,
+    dummy_seed: int | None, before_processing: Callable[[MTPHead], None] | None = None,
+) -> MTPHead:
+    """The target's MTP head (`CausalLM.mtp_head`) built the same way as a model, its weights the
+    checkpoint's MTP tensors (read alone); ConfigError, before reading any, when the checkpoint has
+    none of them."""
+    head = _in_dtype(lambda: target.mtp_head(build), dtype, device)
+    if dummy_seed is not None:
+        init_dummy_weights(head, dummy_seed)
+    else:
+        names = checkpoint_tensor_dtypes(source)
+        if names is not None and not any(head.owns(name) for name in names):
+            raise ConfigError(f"--speculative-config method mtp: the checkpoint {source.name} has no weights of the "
+                              f"{type(target).__name__} MTP head (e.g. its mtp.* tensors were stripped); use a "
+                              "checkpoint that keeps them, or the ngram or draft_model method")
+        head.load_weights(iter_weights(source, keep=head.owns))
+    if before_processing is not None:
+        before_processing(head)
+    head.process_weights_after_loading()
+    return head.eval()
 
 
 def checkpoint_quantization(
@@ -104,11 +130,15 @@ def model_weight_bytes(build: ModelBuild, dtype: torch.dtype) -> int:
 
 def _construct(build: ModelBuild, dtype: torch.dtype, device: torch.device) -> CausalLM:
     cls = model_class(build.hf_config)
+    return _in_dtype(lambda: cls(build), dtype, device)
+
+
+def _in_dtype(make: Callable[[], _Module], dtype: torch.dtype, device: torch.device) -> _Module:
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            return cls(build)
+            return make()
     finally:
         torch.set_default_dtype(default_dtype)
 

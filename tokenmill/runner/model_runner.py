@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -10,15 +11,15 @@ from transformers import PretrainedConfig
 from tokenmill.config import EngineConfig
 from tokenmill.errors import ConfigError
 from tokenmill.kv.planner import allocate_caches, plan_caches
-from tokenmill.kv.specs import CacheLayer
+from tokenmill.kv.specs import CacheLayer, RecurrentStateSpec
 from tokenmill.kv.state import NO_CHECKPOINT
 from tokenmill.layers.attention import ATTENTION_BACKENDS, AttentionMetadata
 from tokenmill.layers.step_context import StepContext
-from tokenmill.models.interface import CausalLM, ModelBuild
+from tokenmill.models.interface import CausalLM, ModelBuild, StepModel
 from tokenmill.models.loader import CheckpointSource
 from tokenmill.numerics import KV_CACHE_DTYPES, recurrent_state_dtype
 from tokenmill.runner.batch import Chunk, pack
-from tokenmill.runner.cuda_graphs import MAX_CAPTURED_TOKENS, StepGraphs
+from tokenmill.runner.cuda_graphs import MAX_CAPTURED_TOKENS, StepFunction, StepGraphs, TokenInputSpec
 from tokenmill.runner.kv_calibration import configure_kv_scales
 from tokenmill.runner.memory import check_weights_fit, kv_cache_budget
 from tokenmill.runner.model_builder import (
@@ -62,6 +63,24 @@ class StepOutput:
 
 
 @dataclass
+class StepHidden:
+    """What a proposer head built on the target (MTP) reads of the step last launched: the
+    target's hidden states for it (`CausalLM.mtp_tap`) at every row, the ids the forward read
+    (drafts and placeholders filled in) and the forward's context. Under CUDA graphs the hidden
+    states are a static buffer's view: valid until the target's next step."""
+
+    hidden: torch.Tensor  # [T, width]
+    input_ids: torch.Tensor  # [T]
+    ctx: StepContext
+    uniform_query_len: int | None  # as BatchInputs says
+
+
+HeadBuilder = Callable[[CausalLM, ModelBuild], dict[str, CacheLayer]]
+"""(the built target, its build) -> the cache layers of a proposer head made from the target's own
+checkpoint (an MTP head), sized and allocated with the target's."""
+
+
+@dataclass
 class BatchInputs:
     input_ids: torch.Tensor
     ctx: StepContext
@@ -74,10 +93,11 @@ class BatchInputs:
 class ModelRunner:
     def __init__(
         self, config: EngineConfig, hf_config: PretrainedConfig, source: CheckpointSource,
-        companion_cache_layers: dict[str, CacheLayer] | None = None,
+        companion_cache_layers: dict[str, CacheLayer] | None = None, head: HeadBuilder | None = None,
     ) -> None:
         """companion_cache_layers: a draft model's cache layers, sized and allocated with the
-        target's (they share its block ids)."""
+        target's (they share its block ids). head: builds a proposer head on the target before its
+        caches are sized; with one, every step keeps the hidden states it reads (`last_hidden`)."""
         self.config = config
         self.hf_config = hf_config
         self.device = torch.device(config.parallel.device)
@@ -100,6 +120,10 @@ class ModelRunner:
                           kv_cache_bytes=config.cache.kv_cache_bytes)
         self.model = build_model(self.build, source, dtype=self.dtype, device=self.device,
                                  dummy_seed=config.model.seed if dummy else None)
+        if head is not None:
+            companion_cache_layers = {**(companion_cache_layers or {}), **head(self.model, self.build)}
+        self.keeps_hidden = head is not None
+        self.last_hidden: StepHidden | None = None
         self.cache_layers = {**self.model.cache_layers(), **(companion_cache_layers or {})}
         self.sampler = Sampler()
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -129,13 +153,25 @@ class ModelRunner:
             for graphs in self.graphs:
                 graphs.capture()
 
-    def step_graphs(self, model: CausalLM, max_batch: int, query_len: int = 1, name: str = "decode") -> StepGraphs:
-        """Graphs of `model` (the target, or a draft sharing its block tables) over this runner's cache layout."""
+    def step_graphs(self, model: StepModel, max_batch: int, query_len: int = 1, name: str = "decode",
+                    step_function: StepFunction | None = None,
+                    token_inputs: dict[str, TokenInputSpec] | None = None) -> StepGraphs:
+        """Graphs of `model` (the target, or a draft or head sharing its block tables) over this
+        runner's cache layout; the target's keep the MTP tap beside the logits when a head reads it."""
         plan = self.cache_plan
+        has_state = any(isinstance(spec, RecurrentStateSpec) for spec in model.cache_specs().values())
+        keep_hidden: tuple[int, ...] = ()
+        if model is self.model and self.keeps_hidden:
+            step_function, keep_hidden = self._logits_and_tap, self.model.mtp_keep_hidden()
         return StepGraphs(model, max_batch, self.max_blocks_per_seq, self.num_blocks, self.block_size,
                           self.config.model.max_model_len, self.device, query_len, name,
-                          scratch_state_slot=plan.scratch_slot if plan.bytes_per_state_slot else None,
-                          request_inputs=model.request_inputs())
+                          scratch_state_slot=plan.scratch_slot if has_state and plan.bytes_per_state_slot else None,
+                          request_inputs=model.request_inputs(), step_function=step_function,
+                          token_inputs=token_inputs, keep_hidden=keep_hidden)
+
+    def _logits_and_tap(self, input_ids: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, ...]:
+        hidden = self.model(input_ids, ctx)
+        return self.model.compute_logits(hidden), self.model.mtp_tap(hidden, ctx)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -257,20 +293,36 @@ class ModelRunner:
         return StepOutput(sampled, host[0], host[1], host[2], copied, host[3])
 
     def _logits(self, inputs: BatchInputs) -> torch.Tensor | None:
-        ctx = inputs.ctx
-        if inputs.logits_indices.numel() == 0:
-            self.model(inputs.input_ids, ctx)
-            return None
+        """The sampled rows' logits (None when no row is sampled); keeps `last_hidden` when a head reads it."""
+        logits, tap = self._forward(inputs)
+        if self.keeps_hidden:
+            assert tap is not None
+            self.last_hidden = StepHidden(tap, inputs.input_ids, inputs.ctx, inputs.uniform_query_len)
+        return logits
+
+    def _forward(self, inputs: BatchInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        ctx, tapped = inputs.ctx, self.keeps_hidden
         if inputs.uniform_query_len is not None:
             for graphs in self.graphs:
                 if graphs.fits(ctx.attention.num_requests, inputs.uniform_query_len):
-                    return graphs.run(inputs.input_ids, ctx)
-        if inputs.logits_indices.numel() == inputs.input_ids.numel():  # every row sampled: decode and verify
+                    if not tapped:
+                        return graphs.run(inputs.input_ids, ctx), None
+                    logits, tap = graphs.run_outputs(inputs.input_ids, ctx)
+                    return logits, tap
+        if 0 < inputs.logits_indices.numel() == inputs.input_ids.numel():  # every row sampled: decode and verify
             for graphs in self.graphs:
                 if graphs.fits_padded(ctx.attention):
-                    return graphs.run_padded(inputs.input_ids, ctx)
+                    if not tapped:
+                        return graphs.run_padded(inputs.input_ids, ctx), None
+                    logits, tap = graphs.run_padded_outputs(inputs.input_ids, ctx)
+                    return logits, tap
+        if tapped:
+            ctx.keep_hidden = self.model.mtp_keep_hidden()
         hidden = self.model(inputs.input_ids, ctx)
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+        tap = self.model.mtp_tap(hidden, ctx) if tapped else None
+        if inputs.logits_indices.numel() == 0:
+            return None, tap
+        return self.model.compute_logits(hidden[inputs.logits_indices]), tap
 
     def copy_state_slots(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole recurrent states between slots (every state tensor of every layer): a request

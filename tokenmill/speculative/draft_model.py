@@ -11,10 +11,9 @@ by lowering that count to the target's.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from tokenmill.config import EngineConfig
 from tokenmill.errors import ConfigError
@@ -27,14 +26,15 @@ from tokenmill.models.interface import CausalLM, ModelBuild
 from tokenmill.models.loader import load_hf_config, resolve_model
 from tokenmill.numerics import KV_CACHE_DTYPES
 from tokenmill.quantization import Fp8OnLoad
-from tokenmill.runner.batch import Chunk, flat_block_tables, pack_context, slot_of
+from tokenmill.runner.batch import Chunk, flat_block_tables, pack_context
 from tokenmill.runner.cuda_graphs import StepGraphs
 from tokenmill.runner.memory import check_weights_fit
 from tokenmill.runner.model_builder import build_model, checkpoint_quantization, engine_choices, model_weight_bytes
 from tokenmill.runner.model_runner import ModelRunner, StepOutput
-from tokenmill.sample.sampler import SamplingMetadata, SamplingRow, processed_probs, row_argmax
+from tokenmill.speculative.draft_sampling import DecodeSteps as _DecodeSteps
+from tokenmill.speculative.draft_sampling import DraftSampler
 from tokenmill.speculative.draft_vocab import load_draft_vocab
-from tokenmill.speculative.drafts import DraftingRequest, Drafts
+from tokenmill.speculative.drafts import DraftingRequest
 from tokenmill.transfer import to_device
 
 
@@ -116,7 +116,7 @@ class DraftModelProposer:
         self.draft = draft
         self.kv = kv
         self.vocab_size = target.vocab_size
-        self.greedy = config.speculative.draft_sampling == "greedy"
+        self.sampler = DraftSampler(target.vocab_size, config.speculative.draft_sampling == "greedy", draft.vocab_ids)
         self.scratch_slot = target.num_blocks * draft.block_size
         self.max_model_len = config.model.max_model_len
         self.max_step_tokens = config.scheduler.max_num_batched_tokens
@@ -138,55 +138,15 @@ class DraftModelProposer:
             return
         requests, limits = [r for r, _ in kept], [limit for _, limit in kept]
         tables = [self.kv.block_tables[r.request_id] for r in requests]
-        gamma = max(limits)
-        device = self.draft.device
-        tokens = torch.empty(gamma, len(requests), dtype=torch.int64, device=device)
-        probs: list[torch.Tensor | None] = []  # per step; None where every row drafted its argmax
-        host_drafts = any(r.params.uses_penalties for r in requests)  # penalties count every draft
-        drafted: list[list[int]] = [[] for _ in requests]  # host copies, kept only under penalties
         logits = None if followed is None else followed.logits_for(requests)
         if logits is None:
             logits = self._catch_up(requests, tables)
         # Built while the device runs the catch-up step.
-        steps = _DecodeSteps(requests, tables, limits, self.draft.block_size, self.scratch_slot, device)
-        metadata, banned = None, None
-        for step in range(gamma):
-            if step:
-                logits = self._decode(tokens[step - 1], steps.metadata(step))
-            step_banned = [r.banned_token_ids(extra_outputs=step) for r in requests]
-            if metadata is None or host_drafts or step_banned != banned:
-                rows = [self._row(r, ids, bans) for r, ids, bans in zip(requests, drafted, step_banned)]
-                metadata = SamplingMetadata.build(rows, self.vocab_size, device)
-                banned = step_banned
-            if metadata.plain_greedy:
-                tokens[step] = self._argmax(logits)
-                probs.append(None)
-            else:
-                q = processed_probs(self._full_vocab_logits(logits), metadata)
-                tokens[step] = row_argmax(q) if self.greedy else _sample(q)  # greedy: q is one-hot at the draft
-                probs.append(None if self.greedy else q)
-            if host_drafts:
-                for ids, token in zip(drafted, tokens[step].tolist()):
-                    ids.append(token)
-        columns = tokens.T
-        stacked = self._stack_probs(probs, tokens)
-        for b, (r, limit) in enumerate(zip(requests, limits)):
-            r.drafts = Drafts(limit, host_ids=drafted[b][:limit] if host_drafts else None, device_ids=columns[b, :limit],
-                              probs=None if stacked is None else stacked[b, :limit])
+        steps = _DecodeSteps(requests, tables, limits, self.draft.block_size, self.scratch_slot, self.draft.device)
+        self.sampler.draft(requests, limits, logits, lambda step, previous: self._decode(previous, steps.metadata(step)))
+        for r, limit in zip(requests, limits):
             # The last draft's own KV is never computed here: the target's verify step follows.
             r.draft_num_computed = len(r.all_token_ids) + limit - 1
-
-    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """Each row's draft when nothing applies before the argmax, in the target's ids."""
-        best = row_argmax(logits)
-        return best if self.draft.vocab_ids is None else self.draft.vocab_ids[best]
-
-    def _stack_probs(self, probs: list[torch.Tensor | None], tokens: torch.Tensor) -> torch.Tensor | None:
-        """[B, gamma, V] q of every draft as sampled, or None when every draft was an argmax (one-hot q)."""
-        if all(q is None for q in probs):
-            return None
-        one_hot = [F.one_hot(ids, self.vocab_size).float() if q is None else q for q, ids in zip(probs, tokens)]
-        return torch.stack(one_hot, dim=1)
 
     def _catch_up(self, requests: Sequence[DraftingRequest], tables: Sequence[Sequence[int]]) -> torch.Tensor:
         """Draft logits after each request's last known token, computing the tokens the draft's
@@ -317,24 +277,6 @@ class DraftModelProposer:
         ahead = 1 if request.num_tokens + limit < self.max_model_len else 0
         return limit > 0 and self.kv.allocate_slots(request, request.num_tokens - request.num_computed_tokens + limit + ahead)
 
-    def _row(self, request: DraftingRequest, drafted: list[int], banned: list[int]) -> SamplingRow:
-        """Sampling inputs of a draft position (`drafted`: the drafts before it, under penalties)."""
-        params = replace(request.params, logprobs=None)
-        if self.greedy and not params.greedy:
-            params = replace(params, temperature=0.0)
-        return SamplingRow(params, request.prompt_token_ids, request.output_token_ids + drafted, None, banned)
-
-    def _full_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft logits over the target's vocabulary (-inf outside the draft vocabulary)."""
-        if self.draft.vocab_ids is None and logits.shape[1] == self.vocab_size:
-            return logits
-        full = torch.full((logits.shape[0], self.vocab_size), float("-inf"), dtype=torch.float32, device=logits.device)
-        if self.draft.vocab_ids is not None:
-            full[:, self.draft.vocab_ids] = logits.float()
-        else:
-            full[:, : logits.shape[1]] = logits.float()
-        return full
-
 
 @dataclass
 class _FollowedCatchUp:
@@ -353,49 +295,3 @@ class _FollowedCatchUp:
         if rows == list(range(len(self.logits))):
             return self.logits
         return self.logits[to_device(rows, torch.int64, self.logits.device)]
-
-
-class _DecodeSteps:
-    """Positions, slots and lengths of every single-token draft step, uploaded at once.
-
-    Step s (s >= 1) feeds draft s at position L + s - 1 of a request of L known tokens. A request
-    whose limit is below s rides along on its last live position, writing its KV to the scratch
-    slot; its logits are ignored.
-    """
-
-    def __init__(self, requests: Sequence[DraftingRequest], tables: Sequence[Sequence[int]], limits: Sequence[int],
-                 block_size: int, scratch_slot: int, device: torch.device) -> None:
-        gamma = max(limits)
-        positions, slots = [], []
-        for step in range(1, gamma):
-            step_positions, step_slots = [], []
-            for r, table, limit in zip(requests, tables, limits):
-                pos = len(r.all_token_ids) + min(step, limit) - 1
-                step_positions.append(pos)
-                step_slots.append(slot_of(table, pos, block_size) if step < limit else scratch_slot)
-            positions.append(step_positions)
-            slots.append(step_slots)
-        self.seq_lens_host = [[p + 1 for p in row] for row in positions]
-        flat, width = flat_block_tables(tables)
-        self.block_tables = to_device(flat, torch.int32, device).view(len(tables), width)
-        self.query_start_loc = torch.arange(len(requests) + 1, dtype=torch.int32, device=device)
-        self.positions = to_device(positions, torch.int64, device)
-        self.slots = to_device(slots, torch.int64, device)
-        self.seq_lens = to_device(self.seq_lens_host, torch.int32, device)
-
-    def metadata(self, step: int) -> StepContext:
-        i = step - 1
-        return StepContext(self.positions[i], AttentionMetadata(
-            query_start_loc=self.query_start_loc,
-            seq_lens=self.seq_lens[i],
-            block_tables=self.block_tables,
-            slot_mapping=self.slots[i],
-            query_lens_host=[1] * len(self.seq_lens_host[i]),
-            seq_lens_host=self.seq_lens_host[i],
-        ))
-
-
-def _sample(probs: torch.Tensor) -> torch.Tensor:
-    """One draw per row by exponential-noise argmax (one-hot rows give their token)."""
-    noise = torch.empty_like(probs).exponential_()
-    return (probs / noise).argmax(dim=-1)

@@ -7,10 +7,16 @@ from typing import Protocol
 
 from tokenmill.config import EngineConfig, SpeculativeConfig
 from tokenmill.kv.coordinator import KVCacheCoordinator
-from tokenmill.runner.model_runner import ModelRunner, StepOutput
+from tokenmill.kv.specs import CacheLayer
+from tokenmill.models.loader import CheckpointSource
+from tokenmill.runner.model_runner import HeadBuilder, ModelRunner, StepOutput
 from tokenmill.speculative.draft_model import DraftModel, DraftModelProposer
 from tokenmill.speculative.drafts import NO_DRAFTS, DraftingRequest, Drafts
+from tokenmill.speculative.mtp import MTPDraft, MTPProposer
 from tokenmill.speculative.ngram import NgramProposer
+
+Drafter = DraftModel | MTPDraft
+"""What a proposer needs built before the target's runner sizes its caches."""
 
 
 class Proposer(Protocol):
@@ -46,13 +52,37 @@ class PromptLookupProposer:
         self.ngram.remove_request(request_id)
 
 
+def build_drafter(config: EngineConfig, source: CheckpointSource) -> Drafter | None:
+    """The draft model (draft_model) or the MTP head's builder (mtp), before the target's runner."""
+    method = config.speculative.method
+    if method == "draft_model":
+        return DraftModel(config)
+    if method == "mtp":
+        return MTPDraft(config, source)
+    return None
+
+
+def runner_companions(drafter: Drafter | None) -> tuple[dict[str, CacheLayer] | None, HeadBuilder | None]:
+    """(a draft model's cache layers, the builder of a head on the target) for the target's ModelRunner."""
+    if isinstance(drafter, DraftModel):
+        return drafter.cache_layers(), None
+    return None, drafter
+
+
+def reads_target_hidden(config: EngineConfig) -> bool:
+    """Whether the proposer drafts from the target's hidden states (so a prefix hit recomputes its last block)."""
+    return config.speculative.method == "mtp"
+
+
 def build_proposer(
-    config: EngineConfig, target: ModelRunner, kv: KVCacheCoordinator, draft: DraftModel | None
+    config: EngineConfig, target: ModelRunner, kv: KVCacheCoordinator, drafter: Drafter | None
 ) -> Proposer | None:
     method = config.speculative.method
     if method is None:
         return None
     if method == "ngram":
         return PromptLookupProposer(config.speculative)
-    assert draft is not None, "the engine builds the draft model before the target sizes its cache"
-    return DraftModelProposer(config, draft, target, kv)
+    assert drafter is not None, "the engine builds the drafter before the target sizes its cache"
+    if isinstance(drafter, MTPDraft):
+        return MTPProposer(config, drafter, target, kv)
+    return DraftModelProposer(config, drafter, target, kv)

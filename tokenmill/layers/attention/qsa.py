@@ -13,7 +13,11 @@ Caches: the K/V (`FullAttentionSpec`), the pooled keys (`IndexerKeySpec`, same b
 row per `ratio` tokens, written once, when the block's last token is computed) and, per request,
 the last ratio - 1 raw index keys (`IndexKeyWindow`, a state slot), so a block that closes in a
 later step than it opened is pooled from the exact keys, and decode reads pooled keys from the
-cache instead of recomputing them.
+cache instead of recomputing them. An indexer without per-request state (`paged_raw_keys`: an
+MTP head's, whose cache layers share the target's block tables and have no state slots) keeps
+every raw key paged instead (`RawIndexKeys`, one per token): an index block lies inside one cache
+block, so the keys a closing token pools sit in the slots just before its own; rolled back with
+the rest of the paged cache (arithmetically).
 """
 
 from __future__ import annotations
@@ -48,12 +52,28 @@ class IndexKeyWindow(nn.Module):
         self.keys = cache["index_keys"]
 
 
+class RawIndexKeys(nn.Module):
+    """A cache layer: every token's raw index key, paged like the K/V."""
+
+    def __init__(self, block_size: int, head_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.spec = IndexerKeySpec(block_size, dtype, 1, head_dim)
+        self.keys = torch.empty(0)  # [pages, block_size, D], bound by the runner
+
+    def cache_spec(self) -> IndexerKeySpec:
+        return self.spec
+
+    def bind_cache(self, cache: torch.Tensor) -> None:
+        self.keys = cache
+
+
 class QSAIndexer(nn.Module):
     """forward(x, ctx) -> blocks [T, block_topk]; writes the step's pooled keys first. A cache
     layer: the paged pooled keys (`index_cache`)."""
 
     def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, backend: QSABackend, *,
-                 quant: QuantizationConfig, prefix: str, block_size: int, use_triton: bool = False) -> None:
+                 quant: QuantizationConfig, prefix: str, block_size: int, use_triton: bool = False,
+                 paged_raw_keys: bool = False) -> None:
         super().__init__()
         self.num_heads, self.head_dim = config.indexer_n_heads, config.indexer_head_dim
         self.ratio = config.indexer_compress_ratio
@@ -71,7 +91,9 @@ class QSAIndexer(nn.Module):
         self.q_layernorm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps, use_triton)
         self.k_layernorm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps, use_triton)
         self.cache_dtype = torch.get_default_dtype()
-        self.window = IndexKeyWindow(self.ratio - 1, self.head_dim, self.cache_dtype) if self.ratio > 1 else None
+        windowed = self.ratio > 1 and not paged_raw_keys
+        self.window = IndexKeyWindow(self.ratio - 1, self.head_dim, self.cache_dtype) if windowed else None
+        self.raw_keys = RawIndexKeys(block_size, self.head_dim, self.cache_dtype) if self.ratio > 1 and paged_raw_keys else None
         self.index_cache = torch.empty(0)  # [pages, block_size // ratio, D], bound by the runner
 
     def cache_spec(self) -> IndexerKeySpec:
@@ -91,7 +113,12 @@ class QSAIndexer(nn.Module):
         """The pooled key of every block a token of this step closes, into its row of the cache
         (other tokens write to the scratch block's last row); the window keeps the latest keys."""
         raw_keys = raw_keys.contiguous()
-        if self.window is None:
+        if self.raw_keys is not None:
+            flat_keys = self.raw_keys.keys.view(-1, self.head_dim)
+            flat_keys.index_copy_(0, ctx.attention.slot_mapping, raw_keys.to(flat_keys.dtype))
+            back = torch.arange(self.ratio - 1, -1, -1, device=raw_keys.device)
+            group = flat_keys[(ctx.attention.slot_mapping[:, None] - back).clamp(min=0)]  # oldest first
+        elif self.window is None:
             group = raw_keys[:, None]
         else:
             windows = RequestWindows.of(ctx)
