@@ -15,7 +15,7 @@ import pytest
 import torch
 from hybrid_models import SavedModels, hybrid_llm, random_prompts
 from kimi_models import KIMI_CONFIGS, kimi_config, save_kimi
-from parity import check_parity, tolerance
+from parity import assert_same_or_near_ties, check_parity, tolerance
 from safetensors.torch import load_file, save_file
 from transformers import PretrainedConfig
 
@@ -158,7 +158,7 @@ def test_cuda_graphs_and_speculation_give_the_eager_tokens(saved) -> None:
     for overrides in ({}, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}):
         graphs = hybrid_llm(path, device="cuda", dtype="bfloat16", **overrides)
         assert graphs.engine.runner.graphs
-        assert [o.outputs[0].token_ids for o in graphs.generate(prompts, params)] == expected, overrides
+        assert_same_or_near_ties(eager, prompts, expected, [o.outputs[0].token_ids for o in graphs.generate(prompts, params)])
 
 
 def test_fp8_latent_cache_is_calibrated_through_the_hybrid_forward(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from hybrid_models import hybrid_llm, random_prompts
 from kimi_models import save_kimi
+from parity import assert_same_or_near_ties
 from safetensors.torch import load_file, save_file
 
 from tokenmill import LLM, SamplingParams
@@ -166,4 +167,4 @@ def test_cuda_graphs_and_speculation_give_the_eager_tokens_on_cuda(raon_dir: Pat
     for overrides in ({}, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}):
         graphs = hybrid_llm(raon_dir, device="cuda", dtype="bfloat16", **overrides)
         assert graphs.engine.runner.graphs
-        assert [o.outputs[0].token_ids for o in graphs.generate(prompts, PARAMS)] == expected, overrides
+        assert_same_or_near_ties(eager, prompts, expected, [o.outputs[0].token_ids for o in graphs.generate(prompts, PARAMS)])
