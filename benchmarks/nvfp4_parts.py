@@ -63,7 +63,7 @@ def nvfp4_linears(device: torch.device, ceiling: dict[str, float], smoke: bool, 
                 seconds = timed(lambda: nvfp4_linear(x, packed, scale, row_scale, tile=tile), device)
                 if m == 1:
                     nbytes = packed.numel() + scale.numel() + 4 * n
-                    value, ceiling_value, unit = nbytes / seconds, ceiling["copy_bytes_per_s"] / 2, "GB/s read"
+                    value, ceiling_value, unit = nbytes / seconds, ceiling["copy_bytes_per_s"], "GB/s read"
                 else:
                     value, ceiling_value, unit = 2 * m * n * k / seconds, ceiling["bf16_flops"], "TFLOP/s"
                 label = "" if tile is None else f" tile {tile[0].block_n},{tile[0].block_k},{tile[0].num_warps}," \
@@ -115,7 +115,7 @@ def nvfp4_decode(device: torch.device, ceiling: dict[str, float], smoke: bool, r
     decode_rate, _ = rates
     llm = nvfp4_llm(device, smoke)
     rate = decode_rate(llm)
-    roofline = ceiling["copy_bytes_per_s"] / 2 / token_bytes(llm)
+    roofline = ceiling["copy_bytes_per_s"] / token_bytes(llm)
     nvfp4 = [m for m in llm.engine.runner.model.modules() if getattr(m, "weight", None) is not None
              and hasattr(m, "output_sizes") and m.weight.dtype == torch.uint8]
     bits = 8 * sum(p.numel() * p.element_size() for m in nvfp4 for p in m.parameters() if p is not m.bias) / sum(
@@ -137,7 +137,7 @@ def dual_prefill(device: torch.device, ceiling: dict[str, float], smoke: bool, r
                          "ceiling": peak / flops, "ratio": rate * flops / peak})
         if "dual_weights" in options:  # decode must keep the NVFP4 copy's rate
             rate = decode_rate(llm)
-            roofline = ceiling["copy_bytes_per_s"] / 2 / token_bytes(llm)
+            roofline = ceiling["copy_bytes_per_s"] / token_bytes(llm)
             rows_out.append({"part": "dual-prefill", "what": "dual nvfp4+fp8 batch 1 decode", "value": rate,
                              "unit": "tok/s", "ceiling": roofline, "ratio": rate / roofline})
         del llm
@@ -170,7 +170,7 @@ def nvfp4_moe(device: torch.device, ceiling: dict[str, float], smoke: bool, time
         seconds = timed(lambda: fused_experts(x, w13, w2, weights, ids, scales=scales), device)
         if tokens == 1:
             per_expert = sum(t[0].numel() * t.element_size() for t in (w13, w2, s13, s2, r13, r2))
-            value, unit, ceiling_value = top_k * per_expert / seconds, "GB/s read", ceiling["copy_bytes_per_s"] / 2
+            value, unit, ceiling_value = top_k * per_expert / seconds, "GB/s read", ceiling["copy_bytes_per_s"]
         else:
             value, unit, ceiling_value = 2 * tokens * top_k * 3 * hidden * inter / seconds, "TFLOP/s", ceiling["bf16_flops"]
         rows_out.append({"part": "nvfp4-moe", "what": f"nvfp4 experts T={tokens}", "value": value, "unit": unit,

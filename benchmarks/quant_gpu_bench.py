@@ -108,7 +108,7 @@ def linears(device: torch.device, ceiling: dict[str, float], smoke: bool) -> lis
                 seconds = timed(lambda: scaled_fp8_linear(x, weight, scale, block, None, prefill), device)
                 if m == 1:
                     nbytes = weight.numel() + scale.numel() * scale.element_size()
-                    value, ceiling_value, unit = nbytes / seconds, ceiling["copy_bytes_per_s"] / 2, "GB/s read"
+                    value, ceiling_value, unit = nbytes / seconds, ceiling["copy_bytes_per_s"], "GB/s read"
                 else:
                     value, unit = 2 * m * n * k / seconds, "TFLOP/s"
                     ceiling_value = ceiling["bf16_flops" if prefill == "w8a16" else "fp8_flops"]
@@ -142,7 +142,7 @@ def engine(device: torch.device, ceiling: dict[str, float], smoke: bool, parts: 
         token_bytes = params - embed.numel() * embed.element_size() + embed[0].numel() * embed.element_size()
         if "decode" in parts:
             rate = _decode_rate(llm, smoke)
-            roofline = ceiling["copy_bytes_per_s"] / 2 / token_bytes
+            roofline = ceiling["copy_bytes_per_s"] / token_bytes
             rows_out.append({"part": "decode", "what": f"{fmt} batch 1 after 128", "value": rate, "unit": "tok/s",
                              "ceiling": roofline, "ratio": rate / roofline})
         if "prefill" in parts:
@@ -208,7 +208,7 @@ def moe(device: torch.device, ceiling: dict[str, float], smoke: bool) -> list[di
             seconds = timed(lambda: fused_experts(x, w13, w2, weights, ids, scales=scales), device)
             if tokens == 1:
                 per_expert = (w13[0].numel() + w2[0].numel() + (s13[0].numel() + s2[0].numel()) * s13.element_size())
-                value, unit, ceiling_value = top_k * per_expert / seconds, "GB/s read", ceiling["copy_bytes_per_s"] / 2
+                value, unit, ceiling_value = top_k * per_expert / seconds, "GB/s read", ceiling["copy_bytes_per_s"]
             else:
                 value, unit = 2 * tokens * top_k * 3 * hidden * inter / seconds, "TFLOP/s"
                 ceiling_value = ceiling["bf16_flops"]
