@@ -34,6 +34,8 @@ class StepContext:
     request_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B, ...]
     keep_hidden: tuple[int, ...] = ()  # layers whose input hidden states the forward records
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [T, H], filled by the forward
+    # Per-token outputs the model declares (`CausalLM.token_outputs`), [T] each, filled by the forward.
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
