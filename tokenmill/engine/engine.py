@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 import torch
@@ -17,7 +18,9 @@ from tokenmill.engine.step_builder import build_step_input
 from tokenmill.engine.structured_output import StructuredOutputManager
 from tokenmill.errors import ConfigError, InvalidRequestError
 from tokenmill.kv.coordinator import KVCacheCoordinator
+from tokenmill.layers.steering import projection_output
 from tokenmill.models.loader import load_hf_config, load_tokenizer, resolve_model
+from tokenmill.models.steering_file import SteeringFile
 from tokenmill.outputs import CompletionOutput, RequestOutput, SpecUsage, TokenLogprobs
 from tokenmill.runner.model_runner import ModelRunner, StepOutput
 from tokenmill.sampling_params import SamplingParams
@@ -27,6 +30,7 @@ from tokenmill.speculative.stats import SpecStats
 logger = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20
+DEFAULT_PROJECTION_TOKENS = 4  # rows recorded per steered direction when its file has no detector calibration
 
 
 @dataclass
@@ -61,7 +65,8 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, steering: SteeringFile | None = None) -> None:
+        """steering: a steering file to serve (else the one config.steering names, if any)."""
         config = config or EngineConfig()
         self.source = resolve_model(config.model.model, need_weights=config.model.load_format != "dummy")
         hf_config = load_hf_config(self.source)
@@ -72,7 +77,8 @@ class LLMEngine:
         self.model_name = config.model.model or self.source.name
         torch.manual_seed(config.model.seed)
         draft = DraftModel(config) if config.speculative.method == "draft_model" else None
-        self.runner = ModelRunner(config, hf_config, self.source, draft.cache_layers() if draft else None)
+        self.runner = ModelRunner(config, hf_config, self.source, draft.cache_layers() if draft else None, steering)
+        self.steering = self.runner.steering
         self.config = config.with_num_blocks(self.runner.num_blocks)
         self.kv = KVCacheCoordinator(self.runner.cache_plan, config.cache.enable_prefix_caching,
                                      config.cache.mamba_state_interval)
@@ -99,7 +105,9 @@ class LLMEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        steering: Mapping[str, float] | None = None,
     ) -> None:
+        """steering: a strength per direction of the served steering file (0 = unsteered)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if params.n != 1:
@@ -128,6 +136,7 @@ class LLMEngine:
             prompt=text,
             priority=priority,
             cache_salt=cache_salt,
+            steering=self._check_steering(steering),
             arrival_index=next(self._arrivals),
         )
         if params.seed is not None:
@@ -138,6 +147,28 @@ class LLMEngine:
             self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params)
         self.requests[request_id] = request
         self.scheduler.add(request)
+
+    def _check_steering(self, steering: Mapping[str, float] | None) -> dict[str, float]:
+        """The request's nonzero strengths; InvalidRequestError for any that cannot be served."""
+        if not steering:
+            return {}
+        if self.steering is None:
+            raise InvalidRequestError(f"steering {dict(steering)} was asked for, but this engine serves no steering "
+                                      "file (start it with --steering DIR)")
+        limit = self.config.steering.steering_max_strength
+        strengths = {}
+        for name, value in steering.items():
+            if name not in self.steering.directions:
+                raise InvalidRequestError(f"steering direction {name!r} is not served; the steering file has "
+                                          f"{', '.join(self.steering.directions)}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise InvalidRequestError(f"steering strength {name!r} must be a finite number, not {value!r}")
+            if not 0 <= value <= limit:
+                raise InvalidRequestError(f"steering strength {name!r} = {value:g} is outside [0, {limit:g}] "
+                                          "(--steering-max-strength)")
+            if value:
+                strengths[name] = float(value)
+        return strengths
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -256,7 +287,7 @@ class LLMEngine:
     def _resolve(self, step: LaunchedStep) -> list[RequestOutput]:
         step.output.wait()
         outputs = []
-        for request, tokens, logprobs in zip(step.requests, step.output.token_lists(), _logprob_rows(step)):
+        for row, (request, tokens, logprobs) in enumerate(zip(step.requests, step.output.token_lists(), _logprob_rows(step))):
             request.num_placeholders -= 1
             rejected = request.drafts.count - (len(tokens) - 1)
             if rejected:
@@ -266,8 +297,21 @@ class LLMEngine:
             request.drop_drafts()
             if request.is_finished:  # aborted, or ended while this step was in flight
                 continue
+            self._record_projections(request, step, row)
             outputs.append(self._append_tokens(request, tokens, logprobs))
         return outputs
+
+    def _record_projections(self, request: Request, step: LaunchedStep, row: int) -> None:
+        """The steered directions' projections at the row that sampled output n, for n < the
+        detector's window (a recomputed row after preemption is recorded once)."""
+        if self.steering is None:
+            return
+        n = len(request.output_token_ids)
+        for name, direction in self.steering.directions.items():
+            window = direction.calibration.tokens if direction.calibration else DEFAULT_PROJECTION_TOKENS
+            recorded = request.direction_projections.setdefault(name, [])
+            if n == len(recorded) < window:
+                recorded.append(float(step.output.host_outputs[projection_output(name)][row]))
 
     def _record_spec(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         if self.proposer is None:
@@ -335,6 +379,8 @@ class LLMEngine:
             finished=request.is_finished,
             num_cached_tokens=request.num_cached_tokens,
             spec=None if request.spec_usage is None else replace(request.spec_usage),
+            direction_projections=({k: list(v) for k, v in request.direction_projections.items()}
+                                   if request.is_finished and self.steering is not None else None),
         )
 
     def stats(self) -> EngineStats:

@@ -71,10 +71,12 @@ class StepGraphs:
         name: str = "decode",
         scratch_state_slot: int | None = None,
         request_inputs: dict[str, RequestInputSpec] | None = None,
+        token_outputs: tuple[str, ...] = (),
     ) -> None:
         """scratch_state_slot: the recurrent-state slot padding requests use (None: the model keeps
         no state). request_inputs: the model's per-request inputs, each a static buffer whose
-        padding rows hold the spec's pad value."""
+        padding rows hold the spec's pad value. token_outputs: the per-token outputs the forward
+        records (StepContext.outputs); each graph keeps its own, handed to the caller's context."""
         self.model = model
         self.query_len = query_len
         self.name = name
@@ -104,8 +106,10 @@ class StepGraphs:
             name: torch.full((n, *spec.shape), spec.pad, dtype=spec.dtype, device=device)
             for name, spec in self.request_input_specs.items()
         }
+        self.token_outputs = token_outputs
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
     @property
     def max_batch(self) -> int:
@@ -148,10 +152,14 @@ class StepGraphs:
             request_inputs={name: buffer[:batch] for name, buffer in self.request_inputs.items()},
         )
 
-    def _forward(self, batch: int, context: int) -> torch.Tensor:
+    def _forward(self, batch: int, context: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         tokens = batch * self.query_len
-        hidden = self.model(self.input_ids[:tokens], self.static_context(batch, context))
-        return self.model.compute_logits(hidden)
+        ctx = self.static_context(batch, context)
+        hidden = self.model(self.input_ids[:tokens], ctx)
+        missing = [name for name in self.token_outputs if name not in ctx.outputs]
+        if missing:
+            raise RuntimeError(f"the {self.name} graph's forward recorded no {', '.join(missing)}")
+        return self.model.compute_logits(hidden), {name: ctx.outputs[name] for name in self.token_outputs}
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -164,7 +172,7 @@ class StepGraphs:
                 self._forward(*shape)  # warm-up: autotuning and lazy initialisation outside capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.logits[shape] = self._forward(*shape)
+                    self.logits[shape], self.outputs[shape] = self._forward(*shape)
                 self.graphs[shape] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
@@ -175,7 +183,9 @@ class StepGraphs:
         """Logits [B * query_len, V] of B <= max_batch requests adding query_len tokens each."""
         bucket, context = self.stage(input_ids, ctx)
         self.graphs[bucket, context].replay()
-        return self.logits[bucket, context][: ctx.attention.num_requests * self.query_len]
+        tokens = ctx.attention.num_requests * self.query_len
+        ctx.outputs.update({name: out[:tokens] for name, out in self.outputs[bucket, context].items()})
+        return self.logits[bucket, context][:tokens]
 
     def stage(self, input_ids: torch.Tensor, ctx: StepContext) -> tuple[int, int]:
         """Copy a uniform step into the static buffers, padding requests up to the batch bucket
@@ -217,7 +227,9 @@ class StepGraphs:
     def run_padded(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Logits of the rows of a step that `fits_padded`, in its order."""
         step = self.pad(input_ids, ctx)
-        return self.run(step.input_ids, step.ctx)[step.real_rows]
+        logits = self.run(step.input_ids, step.ctx)[step.real_rows]
+        ctx.outputs.update({name: out[step.real_rows] for name, out in step.ctx.outputs.items()})
+        return logits
 
     def pad(self, input_ids: torch.Tensor, ctx: StepContext) -> PaddedStep:
         """The step with each request's rows padded at the front to query_len. Request b's pad rows

@@ -212,11 +212,12 @@ class EngineClient(Protocol):
 
     async def submit(
         self, request_id: str, children: list[ChildRequest], *, priority: int = 0,
-        cache_salt: str | None = None, timeout: float | None = None,
+        cache_salt: str | None = None, timeout: float | None = None, steering: dict[str, float] | None = None,
     ) -> RequestStream:
         """Adds every child; returns once the engine accepted them all. Raises the engine's
         InvalidRequestError (nothing is left running then), EngineBusyError or EngineDeadError.
-        With `timeout`, the stream fails with RequestTimeoutError that many seconds from now."""
+        With `timeout`, the stream fails with RequestTimeoutError that many seconds from now;
+        `steering`: strengths per direction of the served steering file, for every child."""
         ...
 
     def abort(self, request_id: str) -> None: ...
@@ -247,7 +248,7 @@ class SteppableEngine(Protocol):
     config: EngineConfig
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    priority: int = 0, cache_salt: str | None = None) -> None: ...
+                    priority: int = 0, cache_salt: str | None = None, steering: dict[str, float] | None = None) -> None: ...
 
     def abort_request(self, request_id: str) -> None: ...
 
