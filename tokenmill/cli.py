@@ -1,4 +1,4 @@
-"""`tokenmill` command line: serve | generate | bench | draft-vocab | quantize."""
+"""`tokenmill` command line: serve | generate | bench | draft-vocab | quantize | steer."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from tokenmill.errors import TokenmillError
 from tokenmill.quantize.cli import register as register_quantize
 from tokenmill.server.serve import register as register_serve
 from tokenmill.speculative.cli import register as register_draft_vocab
+from tokenmill.steering.cli import register as register_steer
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench(commands)
     register_draft_vocab(commands)
     register_quantize(commands)
+    register_steer(commands)
     return parser
 
 

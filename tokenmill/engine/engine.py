@@ -78,7 +78,6 @@ class LLMEngine:
         torch.manual_seed(config.model.seed)
         draft = DraftModel(config) if config.speculative.method == "draft_model" else None
         self.runner = ModelRunner(config, hf_config, self.source, draft.cache_layers() if draft else None, steering)
-        self.steering = self.runner.steering
         self.config = config.with_num_blocks(self.runner.num_blocks)
         self.kv = KVCacheCoordinator(self.runner.cache_plan, config.cache.enable_prefix_caching,
                                      config.cache.mamba_state_interval)
@@ -94,6 +93,19 @@ class LLMEngine:
         self._in_flight: LaunchedStep | None = None
         self.spec_stats = SpecStats()
         self.proposer = build_proposer(self.config, self.runner, self.kv, draft)
+
+    @property
+    def steering(self) -> SteeringFile | None:
+        """The steering file served (requests may set its directions' strengths), or None."""
+        return self.runner.steering
+
+    def install_steering(self, file: SteeringFile) -> None:
+        """Serve `file` from now on (an eager engine with no request in flight; `tokenmill steer build`)."""
+        if self.has_unfinished_requests():
+            raise ConfigError("steering can only be installed on an idle engine")
+        if self.config.speculative.method is not None:
+            raise ConfigError("--steering cannot be combined with speculative decoding yet; drop one")
+        self.runner.install_steering(file)
 
     # ---- requests -------------------------------------------------------------------------
 

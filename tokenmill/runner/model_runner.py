@@ -95,7 +95,12 @@ class ModelRunner:
                           kv_cache_bytes=config.cache.kv_cache_bytes)
         self.model = build_model(self.build, source, dtype=self.dtype, device=self.device,
                                  dummy_seed=config.model.seed if dummy else None)
-        self.steering = self._install_steering(steering, config.model.model or source.name)
+        self.model_name = config.model.model or source.name
+        self.steering: SteeringFile | None = None
+        self.graphs: list[StepGraphs] = []
+        path = config.steering.steering
+        if steering is not None or path:
+            self.install_steering(steering or load_steering_file(path))
         self.request_input_specs = self.model.request_inputs()
         self.token_output_names = self.model.token_outputs()
         self.cache_layers = {**self.model.cache_layers(), **(companion_cache_layers or {})}
@@ -116,7 +121,6 @@ class ModelRunner:
         self.state_tensors = allocate_caches(self.cache_layers, self.num_blocks + 1, self.cache_plan.scratch_slot + 1,
                                              self.device)
         configure_kv_scales(self, source)
-        self.graphs: list[StepGraphs] = []
         if not config.enforce_eager:
             max_batch = min(config.scheduler.max_num_seqs, MAX_CAPTURED_TOKENS)
             self.graphs.append(self.step_graphs(self.model, max_batch))
@@ -127,16 +131,18 @@ class ModelRunner:
             for graphs in self.graphs:
                 graphs.capture()
 
-    def _install_steering(self, given: SteeringFile | None, name: str) -> SteeringFile | None:
-        """Before the memory profile and the CUDA graphs: they see the steered forward."""
-        path = self.config.steering.steering
-        file = given or (load_steering_file(path) if path else None)
-        if file is None:
-            return None
-        check_model(file, model_identity(self.model, self.hf_config, name))
+    def install_steering(self, file: SteeringFile) -> None:
+        """Steer the model along `file`'s direction (checked against this model). Done at start-up,
+        before the memory profile and the CUDA graphs, which then capture the steered forward; later
+        (`tokenmill steer build`) only on an eager runner."""
+        if self.graphs:
+            raise ConfigError("steering must be installed before CUDA graphs are captured")
+        check_model(file, model_identity(self.model, self.hf_config, self.model_name))
         self.model.set_residual_steering(steering_module(file, self.hf_config.num_hidden_layers, self.use_triton,
                                                          self.device))
-        return file
+        self.steering = file
+        self.request_input_specs = self.model.request_inputs()
+        self.token_output_names = self.model.token_outputs()
 
     def step_graphs(self, model: CausalLM, max_batch: int, query_len: int = 1, name: str = "decode") -> StepGraphs:
         """Graphs of `model` (the target, or a draft sharing its block tables) over this runner's cache layout."""

@@ -17,13 +17,14 @@ from fastapi import Request
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams, StructuredOutputSpec
 from tokenmill.server.chat import ChatRenderer, check_json_schema
-from tokenmill.server.engine_client import ERROR_STATUS, EngineClient, RequestStream, RequestTimeoutError
+from tokenmill.server.engine_client import ERROR_STATUS, EngineClient, RequestStream, RequestTimeoutError, SteeringInfo
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.prompt_tokenizer import PromptTokenizer
 from tokenmill.server.protocol import _SamplingFields
 from tokenmill.server.reasoning import ReasoningParser
 from tokenmill.server.request_log import RequestLog
 from tokenmill.server.validation import clip
+from tokenmill.steering.detector import RefusalDetector
 
 T = TypeVar("T")
 SEED_MODULUS = 2**62  # any int64 seed maps into what torch generators take, with room for +n
@@ -93,6 +94,8 @@ class ServerState:
     trust_request_chat_template: bool = False
     request_log: RequestLog | None = None
     request_timeout: float | None = None  # seconds from arrival; None = no deadline
+    steering: SteeringInfo | None = None  # the served steering file (None: requests may not steer)
+    detector: RefusalDetector | None = None  # None: no `refusal` objects, no detector metrics
     _token_strs: dict[int, str] = field(default_factory=dict)
     _grammar_checker: Any = None
 
