@@ -28,12 +28,13 @@ LONG = [{"role": "user", "content": "Tell me about the history of the old city w
 
 @pytest.fixture(scope="module")
 def steered(real_engine: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    from tokenmill.config import CacheConfig, EngineConfig, ParallelConfig, SteeringConfig
+    from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SteeringConfig
     from tokenmill.engine.engine import LLMEngine
 
     calibration = DetectorCalibration(tokens=4, threshold=0.0, scale=1.0, refused_mean=1.0, answered_mean=-1.0)
     directory = write_steering_dir(real_engine, tmp_path_factory.mktemp("steer"), layer=12, calibration=calibration)
-    engine = LLMEngine(EngineConfig(parallel=ParallelConfig(device="cpu"), cache=CacheConfig(kv_cache_bytes=1 << 27),
+    engine = LLMEngine(EngineConfig(model=ModelConfig(max_model_len=2048), parallel=ParallelConfig(device="cpu"),
+                                    cache=CacheConfig(kv_cache_bytes=1 << 27),
                                     steering=SteeringConfig(steering=str(directory), steering_max_strength=1.5)))
     running = start_server(engine)
     yield running
@@ -55,7 +56,7 @@ def run_in_one_step(running: RunningServer, bodies: list[dict[str, Any]]) -> lis
         hold = asyncio.ensure_future(running.state.engine.call(lambda engine: gate.wait(60)))
         await asyncio.sleep(0.2)
         tasks = [asyncio.ensure_future(client.chat.completions.create(model="", temperature=0, **b)) for b in bodies]
-        while running.state.engine.num_requests < len(bodies):
+        while running.state.engine._commands.qsize() < len(bodies):  # their "add" commands wait behind the hold
             await asyncio.sleep(0.05)
         gate.set()
         await hold
@@ -182,11 +183,12 @@ def test_prefix_cache_is_keyed_by_strength(steered: RunningServer) -> None:
         details = chat(client, messages=LONG, max_tokens=2, extra_body=extra).usage.prompt_tokens_details
         return details.cached_tokens if details else 0
 
-    assert cached(steering={"refusal": 0.25}) == 0
-    assert cached(steering={"refusal": 0.25}) > 0  # the same strength shares blocks
-    assert cached(steering={"refusal": 0.75}) == 0  # another does not
-    assert cached() == 0
-    assert cached(steering={"refusal": 0}) > 0  # strength 0 is the unsteered computation: it shares with it
+    assert cached(steering={"refusal": 0.25}) == 0  # not even the system prompt's block: it is keyed by strength
+    every_block = cached(steering={"refusal": 0.25})
+    assert every_block >= 32  # the same strength shares all its full blocks
+    assert cached(steering={"refusal": 0.75}) == 0  # another shares none
+    cached()  # unsteered (its first block, the system prompt, may be cached already by earlier requests)
+    assert cached(steering={"refusal": 0}) == every_block  # strength 0 is the unsteered computation: it shares it
 
 
 def test_serve_flags_exist() -> None:

@@ -8,12 +8,16 @@
    (the tokens after the user's message, e.g. `<|im_end|> \\n <|im_start|> assistant \\n`), averaged
    over each train set in float64; a candidate per (layer, position) and per layer over the positions'
    mean: the difference of the means, normalised to unit length.
-4. Shortlist: per candidate layer (default 1 .. 80% of depth) its position that best separates the
-   validation sets (Cohen's d of the projections); the `shortlist` best layers.
-5. Held-out score of each shortlisted direction, ablated at strength 1 from every residual write:
-   the refusal rate on the validation refuse set (answers of `score_tokens` tokens, the detector)
-   and the mean KL divergence of the next-token distribution after the validation comply prompts
-   (unsteered -> steered). The pick: the largest drop in refusal rate with KL <= max_comply_kl.
+4. Candidates: per candidate layer (default 1 .. 80% of depth) its two positions that best separate
+   the validation sets (Cohen's d of the projections).
+5. Held-out scores, each candidate ablated at strength 1 from every residual write: the mean KL
+   divergence (unsteered -> steered) of the next-token distributions over the first KL_TOKENS
+   positions of the validation comply answers (teacher-forced), which must be <= max_comply_kl,
+   and the drop in log-probability of the validation refusals' own openings (their first tokens,
+   teacher-forced). The `shortlist` candidates with
+   the largest drop are scored by what matters: the refusal rate on the validation refuse set
+   (answers of `score_tokens` tokens, the detector). The pick: the lowest rate (then the lowest
+   mean detector score, then KL).
 6. Detector calibration: the chosen direction's projection at its layer over the rows that sample
    the first `detector_tokens` outputs, on the validation answers at strength 0, split by the
    baseline verdicts.
@@ -42,10 +46,13 @@ from tokenmill.models.steering_file import (
     save_steering_file,
 )
 from tokenmill.steering.detector import RefusalDetector
-from tokenmill.steering.forward import Forward, forward, generate
+from tokenmill.steering.forward import Forward, Generated, forward, generate
 from tokenmill.steering.prompts import ChatPrompts, read_prompts, split
 
 MEAN = -1  # the position index of "the mean over the post-instruction positions"
+POSITIONS_PER_LAYER = 2  # a layer's best-separating positions get the ablation proxies
+PREFIX_TOKENS = 4  # tokens of each baseline refusal's opening the bypass proxy scores
+KL_TOKENS = 8  # positions of each baseline comply answer (from its first) the KL averages over
 
 
 @dataclass(frozen=True)
@@ -72,8 +79,10 @@ class Candidate:
     layer: int
     position: int  # MEAN, or an index into the post-instruction positions
     separation: float  # Cohen's d on the validation sets
+    comply_kl: float | None = None  # validation comply answers, strength 1: mean next-token KL per position
+    bypass: float | None = None  # drop in log P of the validation refusals' openings at strength 1
     refusal_rate: float | None = None  # validation refuse set, strength 1
-    comply_kl: float | None = None  # validation comply set, strength 1
+    refusal_score: float | None = None  # the detector's mean score there (breaks ties of the rate)
 
     def describe(self, tokens: tuple[str, ...]) -> str:
         return "mean" if self.position == MEAN else f"{self.position} ({tokens[self.position]!r})"
@@ -131,10 +140,13 @@ def build(options: BuildOptions, say: Callable[[str], None] = print) -> BuildRep
     say(f"baseline: answering {sum(len(v) for s in sets.values() for v in s.values())} prompts "
         f"({options.score_tokens} tokens each)")
     verdicts: dict[str, dict[str, list[bool]]] = {}
+    answers_of: dict[str, dict[str, list[Generated]]] = {}
     for kind, parts in sets.items():
         answers = generate(engine, parts["train"] + parts["val"], options.score_tokens)
         flags = [detector.judge(a.text).refused for a in answers]
-        verdicts[kind] = {"train": flags[: len(parts["train"])], "val": flags[len(parts["train"]):]}
+        split_at = len(parts["train"])
+        verdicts[kind] = {"train": flags[:split_at], "val": flags[split_at:]}
+        answers_of[kind] = {"train": answers[:split_at], "val": answers[split_at:]}
     baseline = {f"{kind}_{part}_refusal_rate": sum(v) / len(v) for kind, parts in verdicts.items() for part, v in parts.items()}
     say("baseline refusal rates: " + ", ".join(f"{k.removesuffix('_refusal_rate')} {v:.0%}" for k, v in baseline.items()))
 
@@ -164,32 +176,58 @@ def build(options: BuildOptions, say: Callable[[str], None] = print) -> BuildRep
         raise ConfigError("too few validation prompts the model refused or answered to score directions; "
                           "use larger prompt sets")
     vr, vc = forward(engine, refuse_val, layers=layers, tail=tail), forward(engine, comply_val, layers=layers, tail=tail)
+    # The comply answers' own first tokens, teacher-forced: the KL over all of their positions.
+    answered, kl_rows = [], []
+    for prompt, answer, flag in zip(sets["comply"]["val"], answers_of["comply"]["val"], verdicts["comply"]["val"]):
+        if not flag:
+            answered.append(prompt + answer.token_ids[: KL_TOKENS - 1])
+            kl_rows.append(len(answered[-1]) - len(prompt) + 1)
+    base_comply = forward(engine, answered, tails=kl_rows).tail_logprobs
+    # The refusals' own openings, teacher-forced: how much less likely ablation makes them.
+    openings = [prompt + answer.token_ids[:PREFIX_TOKENS]
+                for prompt, answer, flag in zip(sets["refuse"]["val"], answers_of["refuse"]["val"], verdicts["refuse"]["val"])
+                if flag and answer.token_ids]
+    opening_tokens = [min(PREFIX_TOKENS, len(seq) - 1) for seq in openings]
+    base_openings = forward(engine, openings, targets=opening_tokens).target_logprobs
     candidates = []
     for layer in candidate_layers:
-        best = max((Candidate(layer, pos, _cohens_d(_projections(vr, directions, layer, pos),
-                                                    _projections(vc, directions, layer, pos)))
-                    for pos in [*range(tail), MEAN]), key=lambda c: c.separation)
-        candidates.append(best)
-    shortlist = sorted(candidates, key=lambda c: -c.separation)[: options.shortlist]
+        ranked = sorted((Candidate(layer, pos, _cohens_d(_projections(vr, directions, layer, pos),
+                                                         _projections(vc, directions, layer, pos)))
+                         for pos in [*range(tail), MEAN]), key=lambda c: -c.separation)
+        candidates += ranked[:POSITIONS_PER_LAYER]
 
-    placeholder = SteeringDirection(options.name, shortlist[0].layer, directions[shortlist[0].layer][shortlist[0].position])
+    first = candidates[0]
     identity = model_identity(engine.runner.model, engine.hf_config, engine.model_name)
+    placeholder = SteeringDirection(options.name, first.layer, directions[first.layer][first.position])
     engine.install_steering(SteeringFile(identity, {options.name: placeholder}))
     steering = engine.runner.model.residual_steering
-    assert steering is not None
+    assert steering is not None and base_openings is not None and base_comply is not None
+    say(f"ablation proxies of {len(candidates)} candidates (comply KL, drop in log P of the refusals' openings)")
+    for c in candidates:
+        steering.set_direction(directions[c.layer][c.position].float(), c.layer)
+        steered_comply = forward(engine, answered, tails=kl_rows, strength=1.0).tail_logprobs
+        assert steered_comply is not None
+        c.comply_kl = _kl(base_comply, steered_comply)
+        steered = forward(engine, openings, targets=opening_tokens, strength=1.0).target_logprobs
+        assert steered is not None
+        c.bypass = float((base_openings - steered).mean())
+    eligible = [c for c in candidates if c.comply_kl is not None and c.comply_kl <= options.max_comply_kl]
+    if not eligible:
+        best_kl = min(c.comply_kl or math.inf for c in candidates)
+        raise ConfigError(f"no candidate direction keeps the comply set's KL within {options.max_comply_kl} (the "
+                          f"lowest is {best_kl:.4f}); raise --max-comply-kl or widen --layers")
+    shortlist = sorted(eligible, key=lambda c: -(c.bypass or 0.0))[: options.shortlist]
+    say(f"held-out refusal rate at strength 1 of the {len(shortlist)} best of {len(eligible)} within the KL bound:")
     for c in shortlist:
         steering.set_direction(directions[c.layer][c.position].float(), c.layer)
         answers = generate(engine, sets["refuse"]["val"], options.score_tokens, strength=1.0)
-        c.refusal_rate = sum(detector.judge(a.text).refused for a in answers) / len(answers)
-        c.comply_kl = _kl(vc.last_logprobs, forward(engine, comply_val, strength=1.0).last_logprobs)
+        verdicts_1 = [detector.judge(a.text) for a in answers]
+        c.refusal_rate = sum(v.refused for v in verdicts_1) / len(answers)
+        c.refusal_score = sum(v.score for v in verdicts_1) / len(answers)
         say(f"  layer {c.layer:>3} position {c.describe(chat.post_instruction_tokens):<18} d {c.separation:5.2f}  "
-            f"refusals at strength 1 {c.refusal_rate:4.0%}  comply KL {c.comply_kl:.4f}")
-    eligible = [c for c in shortlist if c.comply_kl is not None and c.comply_kl <= options.max_comply_kl]
-    if not eligible:
-        best_kl = min(c.comply_kl or math.inf for c in shortlist)
-        raise ConfigError(f"no shortlisted direction keeps the comply set's KL within {options.max_comply_kl} (the "
-                          f"lowest is {best_kl:.4f}); raise --max-comply-kl or widen --layers")
-    chosen = min(eligible, key=lambda c: (c.refusal_rate, c.comply_kl))
+            f"opening drop {c.bypass:6.2f}  comply KL {c.comply_kl:.4f}  refusals {c.refusal_rate:4.0%} "
+            f"(score {c.refusal_score:.3f})")
+    chosen = min(shortlist, key=lambda c: (c.refusal_rate, c.refusal_score, c.comply_kl))
     vector = directions[chosen.layer][chosen.position]
     steering.set_direction(vector.float(), chosen.layer)
     calibration = _calibrate(engine, sets, verdicts, options.detector_tokens)
@@ -201,7 +239,8 @@ def build(options: BuildOptions, say: Callable[[str], None] = print) -> BuildRep
         "scores": {"validation_refusal_rate_strength_0": baseline["refuse_val_refusal_rate"],
                    "validation_refusal_rate_strength_1": chosen.refusal_rate, "comply_kl_strength_1": chosen.comply_kl,
                    "separation_d": chosen.separation,
-                   "shortlist": [asdict(c) for c in shortlist]},
+                   "shortlist": [asdict(c) for c in shortlist],
+                   "candidates": [asdict(c) for c in candidates]},
     }
     file = SteeringFile(identity, {options.name: SteeringDirection(options.name, chosen.layer, vector, calibration, info)},
                         build={"tokenmill": tokenmill.__version__, "seconds": round(time.monotonic() - started, 1),
