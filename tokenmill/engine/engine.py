@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
@@ -14,11 +13,11 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ScheduledBatch, Scheduler
+from tokenmill.engine.steering import check_strengths, record_projections
 from tokenmill.engine.step_builder import build_step_input
 from tokenmill.engine.structured_output import StructuredOutputManager
 from tokenmill.errors import ConfigError, InvalidRequestError
 from tokenmill.kv.coordinator import KVCacheCoordinator
-from tokenmill.layers.steering import projection_output
 from tokenmill.models.loader import load_hf_config, load_tokenizer, resolve_model
 from tokenmill.models.steering_file import SteeringFile
 from tokenmill.outputs import CompletionOutput, RequestOutput, SpecUsage, TokenLogprobs
@@ -30,7 +29,6 @@ from tokenmill.speculative.stats import SpecStats
 logger = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20
-DEFAULT_PROJECTION_TOKENS = 4  # rows recorded per steered direction when its file has no detector calibration
 
 
 @dataclass
@@ -148,7 +146,7 @@ class LLMEngine:
             prompt=text,
             priority=priority,
             cache_salt=cache_salt,
-            steering=self._check_steering(steering),
+            steering=check_strengths(self.steering, self.config.steering.steering_max_strength, steering),
             arrival_index=next(self._arrivals),
         )
         if params.seed is not None:
@@ -159,28 +157,6 @@ class LLMEngine:
             self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params)
         self.requests[request_id] = request
         self.scheduler.add(request)
-
-    def _check_steering(self, steering: Mapping[str, float] | None) -> dict[str, float]:
-        """The request's nonzero strengths; InvalidRequestError for any that cannot be served."""
-        if not steering:
-            return {}
-        if self.steering is None:
-            raise InvalidRequestError(f"steering {dict(steering)} was asked for, but this engine serves no steering "
-                                      "file (start it with --steering DIR)")
-        limit = self.config.steering.steering_max_strength
-        strengths = {}
-        for name, value in steering.items():
-            if name not in self.steering.directions:
-                raise InvalidRequestError(f"steering direction {name!r} is not served; the steering file has "
-                                          f"{', '.join(self.steering.directions)}")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise InvalidRequestError(f"steering strength {name!r} must be a finite number, not {value!r}")
-            if not 0 <= value <= limit:
-                raise InvalidRequestError(f"steering strength {name!r} = {value:g} is outside [0, {limit:g}] "
-                                          "(--steering-max-strength)")
-            if value:
-                strengths[name] = float(value)
-        return strengths
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -309,21 +285,10 @@ class LLMEngine:
             request.drop_drafts()
             if request.is_finished:  # aborted, or ended while this step was in flight
                 continue
-            self._record_projections(request, step, row)
+            if self.steering is not None:
+                record_projections(request, self.steering, step.output.host_outputs, row)
             outputs.append(self._append_tokens(request, tokens, logprobs))
         return outputs
-
-    def _record_projections(self, request: Request, step: LaunchedStep, row: int) -> None:
-        """The steered directions' projections at the row that sampled output n, for n < the
-        detector's window (a recomputed row after preemption is recorded once)."""
-        if self.steering is None:
-            return
-        n = len(request.output_token_ids)
-        for name, direction in self.steering.directions.items():
-            window = direction.calibration.tokens if direction.calibration else DEFAULT_PROJECTION_TOKENS
-            recorded = request.direction_projections.setdefault(name, [])
-            if n == len(recorded) < window:
-                recorded.append(float(step.output.host_outputs[projection_output(name)][row]))
 
     def _record_spec(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         if self.proposer is None:
