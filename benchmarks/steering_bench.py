@@ -6,7 +6,7 @@ batch 1 and 64 (as gpu_bench.py: (t(N+1) - t(1)) / N, prefill excluded, CUDA gra
 request at strength 1 (and 0, and a mix); the engines alternate (A B A B ...) so drift cancels,
 and each figure is the median of the rounds. Target: steering at strength != 0 costs <= 3%.
 
-    python benchmarks/steering_bench.py [--tokens 128] [--rounds 3] [--json out.json]
+    python benchmarks/steering_bench.py [--tokens 128] [--rounds 2] [--json out.json]
     python benchmarks/steering_bench.py --smoke     # a tiny Llama on CPU: the script runs end to end
 """
 
@@ -65,7 +65,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="a tiny Llama on CPU, few tokens (checks the script)")
     parser.add_argument("--tokens", type=int, default=128, help="decode tokens per measurement")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating A/B rounds; each figure is their median")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating A/B rounds; each figure is their median")
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()

@@ -51,9 +51,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", type=_layers, default=None, metavar="A:B|L1,L2",
                    help="candidate layers (default: 1 to 80%% of the depth)")
     p.add_argument("--shortlist", type=int, default=6,
-                   help="candidate layers scored by ablation, the best separated first (default: 6)")
+                   help="candidates within the KL bound (the largest drop of the refusals' openings first) whose "
+                        "refusal rate is measured by generating (default: 6)")
     p.add_argument("--max-comply-kl", type=float, default=0.1,
-                   help="largest mean next-token KL on the comply set a chosen direction may cause (default: 0.1)")
+                   help="largest mean next-token KL over the comply answers' first positions a chosen direction may "
+                        "cause at strength 1 (default: 0.1)")
     p.add_argument("--no-filter", dest="filter", action="store_false",
                    help="use every train prompt, not only those the model refused / answered")
     p.set_defaults(handler=run_build)
