@@ -1,8 +1,9 @@
-"""The package's import graph reads top-down: server -> engine -> speculative -> runner -> sample ->
-models -> layers -> kv -> quantization -> kernels, every room importing only rooms below it (and
-the leaf modules), with no cycle between modules. Imports under `if TYPE_CHECKING:` are types
-only and do not count. Imports are absolute: a relative one is flagged (and still counted, resolved,
-so that it cannot hide an edge)."""
+"""The package's import graph reads top-down: server -> steering -> engine -> speculative -> runner ->
+sample -> models -> layers -> kv -> quantization -> kernels, every room importing only rooms below it
+(and the leaf modules), with no cycle between modules. steering sits between the server (which reads
+requests' strengths and runs the refusal detector from it) and the engine (which its direction build
+drives). Imports under `if TYPE_CHECKING:` are types only and do not count. Imports are absolute: a
+relative one is flagged (and still counted, resolved, so that it cannot hide an edge)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import tokenmill
 
-ORDER = ["server", "engine", "speculative", "runner", "sample", "models", "layers", "kv", "quantization", "kernels"]
+ORDER = ["server", "steering", "engine", "speculative", "runner", "sample", "models", "layers", "kv", "quantization", "kernels"]
 # Front ends above every room, and leaves any room may import (the package itself is one: its
 # names load lazily).
 TOP = {"cli", "llm", "bench", "quantize", "__main__"}

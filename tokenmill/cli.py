@@ -1,4 +1,4 @@
-"""`tokenmill` command line: serve | generate | bench | draft-vocab | quantize."""
+"""`tokenmill` command line: serve | generate | bench | draft-vocab | quantize | steer."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from tokenmill.errors import TokenmillError
 from tokenmill.quantize.cli import register as register_quantize
 from tokenmill.server.serve import register as register_serve
 from tokenmill.speculative.cli import register as register_draft_vocab
+from tokenmill.steering.cli import register as register_steer
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench(commands)
     register_draft_vocab(commands)
     register_quantize(commands)
+    register_steer(commands)
     return parser
 
 
@@ -50,6 +52,8 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument("--steer", action="append", default=[], metavar="NAME=S",
+                   help="steer every prompt along a direction of the --steering file, e.g. refusal=1 (repeatable)")
     add_engine_args(p)
     p.set_defaults(handler=_run_generate)
 
@@ -72,7 +76,15 @@ def _run_generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, seed=args.sampling_seed, stop=args.stop,
     )
-    for prompt, out in zip(args.prompt, llm.generate(prompts, params, use_tqdm=len(prompts) > 1)):
+    steering = {}
+    for item in args.steer:
+        name, _, value = item.partition("=")
+        try:
+            steering[name] = float(value)
+        except ValueError:
+            raise TokenmillError(f"--steer takes NAME=STRENGTH (e.g. refusal=1), not {item!r}") from None
+    outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1, steering=steering or None)
+    for prompt, out in zip(args.prompt, outputs):
         answer = out.outputs[0]
         if args.json:
             print(json.dumps({"prompt": prompt, "text": answer.text, "token_ids": answer.token_ids,

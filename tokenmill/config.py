@@ -190,6 +190,26 @@ class SpeculativeConfig:
             raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
 
 
+MAX_STEERING_STRENGTH = 4.0
+
+
+@dataclass(frozen=True)
+class SteeringConfig:
+    steering: str | None = None
+    """A steering directory (`tokenmill steer build --out DIR`): requests may then set a strength per
+    direction (`cache_salt: "refusal:0.5"` or `"steering": {"refusal": 0.5}`); None = no request may."""
+    steering_max_strength: float = 1.0
+    """The largest strength a request may ask for (1 = full ablation of the direction; above 1
+    pushes the residual stream against it); requests beyond it are refused with 400."""
+
+    def check(self, speculative: SpeculativeConfig) -> None:
+        if not 0 <= self.steering_max_strength <= MAX_STEERING_STRENGTH:  # NaN fails too
+            raise ConfigError(f"--steering-max-strength must be in [0, {MAX_STEERING_STRENGTH:g}], "
+                              f"not {self.steering_max_strength}")
+        if self.steering is not None and speculative.method is not None:
+            raise ConfigError("--steering cannot be combined with speculative decoding yet; drop one")
+
+
 @dataclass(frozen=True)
 class BenchmarkOnlyConfig:
     """Switches that make the engine compute something other than the model's answer, for
@@ -221,6 +241,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    steering: SteeringConfig = field(default_factory=SteeringConfig)
     enforce_eager: bool = False
     """Run eagerly (no CUDA graphs). The reference path is always eager."""
     benchmark_only: BenchmarkOnlyConfig = field(default_factory=BenchmarkOnlyConfig)
@@ -239,6 +260,7 @@ class EngineConfig:
             raise ConfigError("--tensor-parallel-size > 1 is not supported yet; use 1")
         self.speculative.check()
         self.benchmark_only.check(self.speculative)
+        self.steering.check(self.speculative)
 
         dtype = self.model.dtype
         if dtype == AUTO:
@@ -323,6 +345,7 @@ class EngineConfig:
             scheduler=replace(section(SchedulerConfig), policy=args.scheduling_policy),
             parallel=section(ParallelConfig),
             speculative=SpeculativeConfig.from_json(getattr(args, "speculative_config", None)),
+            steering=section(SteeringConfig),
             enforce_eager=args.enforce_eager,
         )
 
@@ -405,6 +428,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                          '"model": "path", "verification": "block", "draft_sampling": "greedy", "draft_vocab": '
                          '"ids.txt.gz"}\' or \'{"method": "mtp", "num_speculative_tokens": 3}\' (the checkpoint\'s own '
                          'MTP head); keys as in tokenmill/config.py SpeculativeConfig')
+
+    st = parser.add_argument_group("steering")
+    st.add_argument("--steering", default=None, metavar="DIR",
+                    help="a steering directory from `tokenmill steer build`: each request may then set a strength per "
+                         "direction (cache_salt \"refusal:0.5\", or \"steering\": {\"refusal\": 0.5}), ablated from "
+                         "every write into the residual stream; strength 0 computes exactly what a server without "
+                         "--steering does. Without it, requests that set a strength get 400")
+    st.add_argument("--steering-max-strength", type=float, default=1.0, metavar="X",
+                    help="the largest strength a request may ask for (1 = full ablation); larger ones get 400")
 
     p = parser.add_argument_group("device")
     p.add_argument("--device", default=AUTO, help="cuda, cpu or auto")

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
+from tokenmill.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    SteeringConfig,
+)
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -40,13 +48,19 @@ class LLM:
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
         cache_salt: str | None = None,
+        steering: Mapping[str, float] | Sequence[Mapping[str, float] | None] | None = None,
     ) -> list[RequestOutput]:
+        """steering: strengths per direction of the served steering file (`LLM(steering=DIR)`), for
+        every prompt or one mapping (or None) per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = params or SamplingParams()
         per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} sampling params")
+        strengths = list(steering) if isinstance(steering, Sequence) else [steering] * len(prompts)
+        if len(strengths) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(strengths)} steering mappings")
 
         results: dict[str, RequestOutput] = {}
         unfinished: dict[str, int] = {}
@@ -64,6 +78,7 @@ class LLM:
                         p.for_child(child),
                         priority=priority[i] if priority else 0,
                         cache_salt=cache_salt,
+                        steering=strengths[i],
                     )
         except Exception:
             for request_id in added:
@@ -103,10 +118,13 @@ def _merge(results: dict[str, RequestOutput], parent: str, child: int, delta: Re
     completion.stop_reason = new.stop_reason
     if delta.spec is not None and len(out.outputs) == 1:
         out.spec = delta.spec
+    if delta.direction_projections is not None and len(out.outputs) == 1:
+        out.direction_projections = delta.direction_projections
 
 
 def _apply_overrides(config: EngineConfig, overrides: dict[str, Any]) -> EngineConfig:
-    sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+    sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
+                "steering": SteeringConfig}
     for key, value in overrides.items():
         if key in ("enforce_eager", "benchmark_only"):
             config = replace(config, **{key: value})

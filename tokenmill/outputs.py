@@ -29,6 +29,9 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     spec: SpecUsage | None = None  # speculative decoding so far (None when it is off)
+    # With a steering file, on the final output: per direction, the residual stream's projection on it
+    # (at the direction's layer) at the rows that sampled the first outputs (the refusal detector's input).
+    direction_projections: dict[str, list[float]] | None = None
 
 
 @dataclass

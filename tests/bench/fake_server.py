@@ -56,6 +56,7 @@ class FakeTiming:
     cut_after: int | None = None  # end the stream after this many content chunks
     cut_mode: str = "eof"  # "eof": clean end without [DONE]; "abort": drop the connection
     responder: Callable[[dict[str, Any]], Reply] | None = None
+    respond_always: bool = False  # the responder answers every chat request, not only those with tools
 
 
 def prompt_tokens(body: dict[str, Any]) -> int:
@@ -144,7 +145,7 @@ class FakeServer:
             self.active -= 1
 
     def _reply(self, body: dict[str, Any]) -> Reply:
-        if self.timing.responder is not None and body.get("tools") is not None:
+        if self.timing.responder is not None and (body.get("tools") is not None or self.timing.respond_always):
             return self.timing.responder(body)
         last = str(body["messages"][-1].get("content") or "")
         if "capital of France" in last:

@@ -131,7 +131,13 @@ def other_variants():
                     EVEN_K=True, UPCAST=False, IEEE=False, PDL=True, **ROW_SCALES), tile.num_warps, tile.num_stages)
     yield ("rms_norm+residual 4096", _rms_norm_kernel,
            {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16", "eps": "fp32"},
-           dict(BLOCK=4096, HAS_RESIDUAL=True, LAUNCH_NEXT=True), 8, 1)
+           dict(BLOCK=4096, HAS_RESIDUAL=True, LAUNCH_NEXT=True, STEER=False, PROBE=False), 8, 1)
+    # Steering (layers/steering.py): the ablation before the add, with and without the probe, and the first layer's.
+    steered = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16",
+               "dir_ptr": "*fp32", "strength_ptr": "*fp32", "rows_ptr": "*i64", "probe_ptr": "*fp32", "eps": "fp32"}
+    for residual, probe in ((True, False), (True, True), (False, False)):
+        yield (f"steered rms_norm 4096 residual={residual} probe={probe}", _rms_norm_kernel, steered,
+               dict(BLOCK=4096, HAS_RESIDUAL=residual, LAUNCH_NEXT=True, STEER=True, PROBE=probe), 8, 1)
     yield ("silu_and_mul", _silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"}, dict(BLOCK=1024, LAUNCH_NEXT=True), 4, 1)
     yield ("rotary D=128", _rotary_kernel,
            {"pos_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32"},
@@ -146,9 +152,9 @@ def other_variants():
     norm_types = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "res_out_ptr": "*bf16",
                   "eps": "fp32"}
     yield ("zero-centred rms_norm+residual 2048", _rms_norm_kernel, norm_types,
-           dict(BLOCK=2048, HAS_RESIDUAL=True, LAUNCH_NEXT=True), 8, 1)
-    yield ("zero-centred q/k norm D=256", _rms_norm_kernel, norm_types, dict(BLOCK=256, HAS_RESIDUAL=False, LAUNCH_NEXT=True),
-           4, 1)
+           dict(BLOCK=2048, HAS_RESIDUAL=True, LAUNCH_NEXT=True, STEER=False, PROBE=False), 8, 1)
+    yield ("zero-centred q/k norm D=256", _rms_norm_kernel, norm_types,
+           dict(BLOCK=256, HAS_RESIDUAL=False, LAUNCH_NEXT=True, STEER=False, PROBE=False), 4, 1)
     yield ("partial rotary 64 of D=256", _rotary_kernel,
            {"pos_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32"},
            dict(HALF=32, HALF_P=32, QH_P=16, KH_P=2), ROTARY_LAUNCH["num_warps"], 1)

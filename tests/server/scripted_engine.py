@@ -27,7 +27,7 @@ class ScriptedEngine:
         self.threads: set[str] = set()
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, steering: dict[str, float] | None = None) -> None:
         self.threads.add(threading.current_thread().name)
         if not prompt:
             raise InvalidRequestError("the prompt is empty")

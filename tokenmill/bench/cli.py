@@ -1,4 +1,4 @@
-"""`tokenmill bench {depth,serve,steady,compare,tools}`.
+"""`tokenmill bench {depth,serve,steady,compare,tools,refusals}`.
 
 `register(subparsers)` adds the `bench` command to tokenmill's top-level parser and sets
 `func` (and `handler`, the name tokenmill/cli.py uses) on the parsed namespace:
@@ -24,19 +24,20 @@ Benchmark any OpenAI-compatible server (tokenmill, vLLM, SGLang, llama.cpp) over
   steady   steady-state decode with N streams restarted as they finish
   compare  A/B table of two saved results (ours, llama-benchy's or vLLM's JSON)
   tools    tool-calling evaluation scored 2/1/0 per scenario
+  refusals refusal rate and refusal score per steering strength
 
 Exit status: 0 success, 1 some requests failed or a regression was found, 2 the run could
 not be done (server unreachable, bad arguments, unreadable file), 130 interrupted."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from tokenmill.bench import compare, depth_cli, serve_cli, steady_cli, tools_cli
+    from tokenmill.bench import compare, depth_cli, refusals_cli, serve_cli, steady_cli, tools_cli
 
     p = subparsers.add_parser("bench", help="benchmark an OpenAI-compatible server over HTTP",
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     modes = p.add_subparsers(dest="bench_mode", metavar="MODE")
     modes.required = True
-    for module in (depth_cli, serve_cli, steady_cli, compare, tools_cli):
+    for module in (depth_cli, serve_cli, steady_cli, compare, tools_cli, refusals_cli):
         module.add_parser(modes)
     p.set_defaults(func=run, handler=run)
 

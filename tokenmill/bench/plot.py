@@ -110,3 +110,19 @@ def plot_steady(data: dict[str, Any], path: str) -> None:
         ax.legend(fontsize=8)
     fig.suptitle(f"tokenmill bench steady — {data.get('model', '')}")
     _save(fig, path)
+
+
+def plot_refusals(data: dict[str, Any], path: str) -> None:
+    levels = sorted(data.get("levels", []), key=lambda lv: lv["strength"])
+    xs = [lv["strength"] for lv in levels]
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    ax.plot(xs, [100 * (lv["refusal_rate"] or 0) for lv in levels], marker="o", label="refusal rate (%)")
+    ax.plot(xs, [100 * (lv["mean_score"] or 0) for lv in levels], marker="s", linestyle="--",
+            label="mean refusal score (x100)")
+    ax.set(title="refusals against steering strength", xlabel=f"strength ({data.get('direction', '')})", ylabel="%",
+           ylim=(0, 100))
+    ax.set_xticks(xs)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(f"tokenmill bench refusals — {data.get('model', '')}")
+    _save(fig, path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 import torch
@@ -13,11 +13,13 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ScheduledBatch, Scheduler
+from tokenmill.engine.steering import check_strengths, record_projections
 from tokenmill.engine.step_builder import build_step_input
 from tokenmill.engine.structured_output import StructuredOutputManager, matcher_for
 from tokenmill.errors import ConfigError, InvalidRequestError
 from tokenmill.kv.coordinator import KVCacheCoordinator
 from tokenmill.models.loader import load_hf_config, load_tokenizer, resolve_model
+from tokenmill.models.steering_file import SteeringFile
 from tokenmill.outputs import CompletionOutput, RequestOutput, SpecUsage, TokenLogprobs
 from tokenmill.runner.model_runner import ModelRunner, StepOutput
 from tokenmill.sampling_params import SamplingParams
@@ -61,7 +63,8 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, steering: SteeringFile | None = None) -> None:
+        """steering: a steering file to serve (else the one config.steering names, if any)."""
         config = config or EngineConfig()
         self.source = resolve_model(config.model.model, need_weights=config.model.load_format != "dummy")
         hf_config = load_hf_config(self.source)
@@ -73,7 +76,7 @@ class LLMEngine:
         torch.manual_seed(config.model.seed)
         drafter = build_drafter(config, self.source)
         companion_cache_layers, head = runner_companions(drafter)
-        self.runner = ModelRunner(config, hf_config, self.source, companion_cache_layers, head)
+        self.runner = ModelRunner(config, hf_config, self.source, companion_cache_layers, head, steering)
         self.config = config.with_num_blocks(self.runner.num_blocks)
         self.kv = KVCacheCoordinator(self.runner.cache_plan, config.cache.enable_prefix_caching,
                                      config.cache.mamba_state_interval, recompute_last_hit_block=reads_target_hidden(config))
@@ -90,6 +93,19 @@ class LLMEngine:
         self.spec_stats = SpecStats()
         self.proposer = build_proposer(self.config, self.runner, self.kv, drafter)
 
+    @property
+    def steering(self) -> SteeringFile | None:
+        """The steering file served (requests may set its directions' strengths), or None."""
+        return self.runner.steering
+
+    def install_steering(self, file: SteeringFile) -> None:
+        """Serve `file` from now on (an eager engine with no request in flight; `tokenmill steer build`)."""
+        if self.has_unfinished_requests():
+            raise ConfigError("steering can only be installed on an idle engine")
+        if self.config.speculative.method is not None:
+            raise ConfigError("--steering cannot be combined with speculative decoding yet; drop one")
+        self.runner.install_steering(file)
+
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(
@@ -100,7 +116,9 @@ class LLMEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        steering: Mapping[str, float] | None = None,
     ) -> None:
+        """steering: a strength per direction of the served steering file (0 = unsteered)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if params.n != 1:
@@ -129,6 +147,7 @@ class LLMEngine:
             prompt=text,
             priority=priority,
             cache_salt=cache_salt,
+            steering=check_strengths(self.steering, self.config.steering.steering_max_strength, steering),
             arrival_index=next(self._arrivals),
         )
         if params.seed is not None:
@@ -259,7 +278,7 @@ class LLMEngine:
     def _resolve(self, step: LaunchedStep) -> list[RequestOutput]:
         step.output.wait()
         outputs = []
-        for request, tokens, logprobs in zip(step.requests, step.output.token_lists(), _logprob_rows(step)):
+        for row, (request, tokens, logprobs) in enumerate(zip(step.requests, step.output.token_lists(), _logprob_rows(step))):
             request.num_placeholders -= 1
             rejected = request.drafts.count - (len(tokens) - 1)
             if rejected:
@@ -269,6 +288,8 @@ class LLMEngine:
             request.drop_drafts()
             if request.is_finished:  # aborted, or ended while this step was in flight
                 continue
+            if self.steering is not None:
+                record_projections(request, self.steering, step.output.host_outputs, row)
             outputs.append(self._append_tokens(request, tokens, logprobs))
         return outputs
 
@@ -338,6 +359,8 @@ class LLMEngine:
             finished=request.is_finished,
             num_cached_tokens=request.num_cached_tokens,
             spec=None if request.spec_usage is None else replace(request.spec_usage),
+            direction_projections=({k: list(v) for k, v in request.direction_projections.items()}
+                                   if request.is_finished and self.steering is not None else None),
         )
 
     def stats(self) -> EngineStats:

@@ -41,6 +41,7 @@ class Request:
     prompt: str | None = None
     priority: int = 0
     cache_salt: str | None = None
+    steering: dict[str, float] = field(default_factory=dict)  # direction -> strength (nonzero ones only)
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_index: int = 0
 
@@ -59,9 +60,17 @@ class Request:
     generator: torch.Generator | None = None
     grammar: GrammarMatcher | None = None  # structured output: the tokens allowed next
     block_hashes: list[bytes] = field(default_factory=list)
+    # Per steered direction, the stream's projection on it at the rows that sampled the first outputs.
+    direction_projections: dict[str, list[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def cache_tags(self) -> tuple[tuple[str, str], ...]:
+        """What besides the tokens and cache_salt decides this request's KV: its steering strengths
+        (exactly: float.hex). Strength 0 computes what no steering does, so it is no tag."""
+        return tuple((f"steering.{name}", float.hex(value)) for name, value in sorted(self.steering.items()) if value)
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ScheduledBatch
 from tokenmill.kv.coordinator import KVCacheCoordinator
+from tokenmill.layers.steering import strength_input
 from tokenmill.runner.step_input import RequestRows, StepInput
 from tokenmill.sample.draft_verification import DraftsToVerify
 from tokenmill.sample.rejection import benchmark_accepted
@@ -52,8 +53,9 @@ def _request_rows(request: Request, n: int, kv: KVCacheCoordinator, previous_row
         placeholder = previous_row[id(request)]
     sampled = drafts.count + 1 if start + n == request.num_tokens_with_drafts else 0
     checkpoints = kv.state_checkpoints(request, len(request.prompt_token_ids), start, n, verifying=sampled > 1)
+    inputs = {strength_input(name): value for name, value in request.steering.items()}
     return RequestRows(tokens, start, n, kv.block_tables[request.request_id], kv.state_slot(request.request_id),
-                       device_drafts, placeholder, sampled, checkpoints)
+                       device_drafts, placeholder, sampled, checkpoints, inputs)
 
 
 def _sampling_row(request: Request) -> SamplingRow:

@@ -2,8 +2,9 @@
 cache's hash -> block map; and the chained block hash that keys it.
 
 A block's KV is identified by a chained hash of every token up to the end of the block (plus a
-type-tagged cache salt in the first block), so two requests share a cached block exactly when
-they share the whole prefix up to it under the same salt.
+type-tagged cache salt and the request's other cache tags, its steering strengths, in the first
+block), so two requests share a cached block exactly when they share the whole prefix up to it
+under the same salt and tags.
 """
 
 from __future__ import annotations
@@ -16,11 +17,16 @@ from collections.abc import Iterable, Sequence
 BlockHash = bytes
 
 
-def hash_block(parent: BlockHash | None, token_ids: Sequence[int], cache_salt: str | None) -> BlockHash:
-    """The chained hash of one full block. The salt enters the first block only, type-tagged."""
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], cache_salt: str | None,
+               tags: Sequence[tuple[str, str]] = ()) -> BlockHash:
+    """The chained hash of one full block. The salt and the (tag, value) pairs enter the first block
+    only, each type-tagged and length-prefixed (no salt can spell a tag)."""
     h = hashlib.sha256(parent or b"tokenmill-kv-v1")
-    if parent is None and cache_salt is not None:
-        h.update(b"cache_salt\x00" + cache_salt.encode("utf-8", "surrogatepass"))  # any str, even a lone surrogate
+    if parent is None:
+        keyed = ([("cache_salt", cache_salt)] if cache_salt is not None else []) + list(tags)
+        for tag, value in keyed:
+            data = value.encode("utf-8", "surrogatepass")  # any str, even a lone surrogate
+            h.update(tag.encode() + b"\x00" + len(data).to_bytes(8, "little") + data)
     h.update(array("q", token_ids).tobytes())
     return h.digest()
 

@@ -20,6 +20,9 @@ class CachedRequest(Protocol):
     block_hashes: list[BlockHash]
 
     @property
+    def cache_tags(self) -> tuple[tuple[str, str], ...]: ...
+
+    @property
     def num_tokens(self) -> int: ...
 
 
@@ -122,4 +125,5 @@ class PagedCacheManager:
         bs = self.block_size
         for i in range(len(hashes), num_full):
             parent = hashes[i - 1] if i else None
-            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], request.cache_salt))
+            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], request.cache_salt,
+                                     request.cache_tags))

@@ -35,6 +35,8 @@ class StepContext:
     token_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [T, ...] (an MTP head's hidden states)
     keep_hidden: tuple[int, ...] = ()  # layers whose input hidden states the forward records
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [T, H], filled by the forward
+    # Per-token outputs the model declares (`CausalLM.token_outputs`), [T] each, filled by the forward.
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

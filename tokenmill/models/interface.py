@@ -20,6 +20,7 @@ from transformers import PretrainedConfig
 from tokenmill.errors import ConfigError
 from tokenmill.kv.specs import CacheLayer, CacheSpec
 from tokenmill.layers.attention import AttentionBackend
+from tokenmill.layers.steering import ResidualSteering
 from tokenmill.layers.step_context import RequestInputSpec, StepContext
 from tokenmill.quantization import FusedMoEMethod, LinearMethod, QuantizationConfig, Unquantized
 from tokenmill.quantization.kv_scales import ScaledCacheLayer
@@ -87,8 +88,26 @@ class StepModel(nn.Module, ABC):
         return config
 
     def request_inputs(self) -> dict[str, RequestInputSpec]:
-        """Per-request inputs this model reads from StepContext.request_inputs (none by default)."""
-        return {}
+        """Per-request inputs this model reads from StepContext.request_inputs (none by default;
+        a model with residual steering installed reads its strengths)."""
+        steering = self.residual_steering
+        return steering.request_inputs() if steering is not None else {}
+
+    def token_outputs(self) -> tuple[str, ...]:
+        """Per-token outputs the forward records into StepContext.outputs (steering's projection)."""
+        steering = self.residual_steering
+        return steering.token_outputs() if steering is not None else ()
+
+    @property
+    def residual_steering(self) -> ResidualSteering | None:
+        return None
+
+    def set_residual_steering(self, steering: ResidualSteering) -> None:
+        """Ablate `steering`'s direction from every write into the residual stream with per-request
+        strengths (layers/steering.py). A model routes its residual adds through
+        `layers.steering.residual_add_norm` to support it; one that does not refuses here."""
+        raise ConfigError(f"{type(self).__name__} does not support residual steering (--steering): its layers do not "
+                          "route their residual writes through layers/steering.py; serve it without --steering")
 
     def process_weights_after_loading(self) -> None:
         """Let every quantization method finish its layers (e.g. quantize on load)."""

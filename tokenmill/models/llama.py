@@ -13,12 +13,14 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from tokenmill.errors import ConfigError
 from tokenmill.kv.specs import FullAttentionSpec
 from tokenmill.layers.attention import AttentionBackend
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.mlp import GatedMLP
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.layers.steering import ResidualSteering, SteeringStep, residual_add_norm
 from tokenmill.layers.step_context import StepContext
 from tokenmill.models.interface import CausalLM, ModelBuild
 from tokenmill.models.weights import PackedModules, load_checkpoint
@@ -139,15 +141,14 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext
+        self, x: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext, steer: SteeringStep | None = None,
+        probe: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x is the last sublayer's output, not yet added to the residual stream (None at the start)."""
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        """x is the last sublayer's output (the embedding at the start), not yet added to the residual
+        stream (None at the start). Every write passes `steer`; `probe` records the stream entering this layer."""
+        x, residual = residual_add_norm(self.input_layernorm, x, residual, steer, probe)
         x = self.self_attn(x, ctx)
-        x, residual = self.post_attention_layernorm(x, residual)
+        x, residual = residual_add_norm(self.post_attention_layernorm, x, residual, steer)
         return self.mlp(x), residual
 
 
@@ -162,14 +163,16 @@ class DecoderModel(nn.Module):
             DecoderLayer(build, rotary, variant, prefix, make_mlp(build, i, f"{prefix}.mlp")) for i, prefix in enumerate(prefixes)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, build.use_triton)
+        self.steering: ResidualSteering | None = None
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        steer = self.steering.step(ctx) if self.steering is not None else None
         for i, layer in enumerate(self.layers):
             if i in ctx.keep_hidden:  # the residual stream entering layer i
-                ctx.hidden[i] = x if residual is None else x + residual
-            x, residual = layer(x, residual, ctx)
-        return self.norm(x, residual)[0]
+                ctx.hidden[i] = steer.stream(x, residual) if steer is not None else x if residual is None else x + residual
+            x, residual = layer(x, residual, ctx, steer, probe=steer is not None and i == steer.layer)
+        return residual_add_norm(self.norm, x, residual, steer)[0]
 
 
 class LlamaForCausalLM(CausalLM):
@@ -197,6 +200,16 @@ class LlamaForCausalLM(CausalLM):
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         return self.model(input_ids, ctx)
+
+    @property
+    def residual_steering(self) -> ResidualSteering | None:
+        return self.model.steering
+
+    def set_residual_steering(self, steering: ResidualSteering) -> None:
+        if steering.num_layers != len(self.model.layers):
+            raise ConfigError(f"the steering direction is for {steering.num_layers} layers; this model has "
+                              f"{len(self.model.layers)}")
+        self.model.steering = steering
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

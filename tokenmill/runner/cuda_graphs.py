@@ -89,12 +89,15 @@ class StepGraphs:
         step_function: StepFunction | None = None,
         token_inputs: dict[str, TokenInputSpec] | None = None,
         keep_hidden: tuple[int, ...] = (),
+        token_outputs: tuple[str, ...] = (),
     ) -> None:
         """scratch_state_slot: the recurrent-state slot padding requests use (None: the model keeps
         no state). request_inputs: the model's per-request inputs, each a static buffer whose
         padding rows hold the spec's pad value. step_function: what is captured (default: the
         model's logits of every row); token_inputs: its per-token inputs, static buffers too;
-        keep_hidden: StepContext.keep_hidden of the captured forward (hidden states it records)."""
+        keep_hidden: StepContext.keep_hidden of the captured forward (hidden states it records);
+        token_outputs: the per-token outputs the forward records (StepContext.outputs), each graph
+        keeping its own, handed to the caller's context on replay."""
         self.model = model
         self.step_function = step_function or self._logits_of_every_row
         self.keep_hidden = keep_hidden
@@ -129,8 +132,10 @@ class StepGraphs:
         self.token_input_specs = dict(token_inputs or {})
         self.token_inputs = {name: torch.zeros((tokens, *spec.shape), dtype=spec.dtype, device=device)
                              for name, spec in self.token_input_specs.items()}
+        self.token_outputs = token_outputs
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self.recorded: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
     @property
     def max_batch(self) -> int:
@@ -178,9 +183,14 @@ class StepGraphs:
     def _logits_of_every_row(self, input_ids: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, ...]:
         return (self.model.compute_logits(self.model(input_ids, ctx)),)
 
-    def _forward(self, batch: int, context: int) -> tuple[torch.Tensor, ...]:
+    def _forward(self, batch: int, context: int) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
         tokens = batch * self.query_len
-        return self.step_function(self.input_ids[:tokens], self.static_context(batch, context))
+        ctx = self.static_context(batch, context)
+        outputs = self.step_function(self.input_ids[:tokens], ctx)
+        missing = [name for name in self.token_outputs if name not in ctx.outputs]
+        if missing:
+            raise RuntimeError(f"the {self.name} graph's forward recorded no {', '.join(missing)}")
+        return outputs, {name: ctx.outputs[name] for name in self.token_outputs}
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -193,7 +203,7 @@ class StepGraphs:
                 self._forward(*shape)  # warm-up: autotuning and lazy initialisation outside capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[shape] = self._forward(*shape)
+                    self.outputs[shape], self.recorded[shape] = self._forward(*shape)
                 self.graphs[shape] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
@@ -210,6 +220,8 @@ class StepGraphs:
         bucket, context = self.stage(input_ids, ctx)
         self.graphs[bucket, context].replay()
         batch = ctx.attention.num_requests
+        tokens = batch * self.query_len
+        ctx.outputs.update({name: out[:tokens] for name, out in self.recorded[bucket, context].items()})
         return tuple(out[: batch * (out.shape[0] // bucket)] for out in self.outputs[bucket, context])
 
     def stage(self, input_ids: torch.Tensor, ctx: StepContext) -> tuple[int, int]:
@@ -260,7 +272,9 @@ class StepGraphs:
     def run_padded_outputs(self, input_ids: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, ...]:
         """The per-token outputs of the step function at the rows of a step that `fits_padded`."""
         step = self.pad(input_ids, ctx)
-        return tuple(out[step.real_rows] for out in self.run_outputs(step.input_ids, step.ctx))
+        outputs = tuple(out[step.real_rows] for out in self.run_outputs(step.input_ids, step.ctx))
+        ctx.outputs.update({name: out[step.real_rows] for name, out in step.ctx.outputs.items()})
+        return outputs
 
     def pad(self, input_ids: torch.Tensor, ctx: StepContext) -> PaddedStep:
         """The step with each request's rows padded at the front to query_len. Request b's pad rows

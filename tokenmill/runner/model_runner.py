@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PretrainedConfig
@@ -17,6 +17,7 @@ from tokenmill.layers.attention import ATTENTION_BACKENDS, AttentionMetadata
 from tokenmill.layers.step_context import StepContext
 from tokenmill.models.interface import CausalLM, ModelBuild, StepModel
 from tokenmill.models.loader import CheckpointSource
+from tokenmill.models.steering_file import SteeringFile, check_model, load_steering_file, model_identity, steering_module
 from tokenmill.numerics import KV_CACHE_DTYPES, recurrent_state_dtype
 from tokenmill.runner.batch import Chunk, pack
 from tokenmill.runner.cuda_graphs import MAX_CAPTURED_TOKENS, StepFunction, StepGraphs, TokenInputSpec
@@ -50,6 +51,7 @@ class StepOutput:
     host_logprobs: torch.Tensor | None
     copied: torch.cuda.Event | None
     host_num_accepted: torch.Tensor | None = None  # [B] drafts accepted; None without drafts
+    host_outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # the model's token outputs, [B] each
 
     def token_lists(self) -> list[list[int]]:
         ids = self.host_token_ids.tolist()
@@ -94,10 +96,12 @@ class ModelRunner:
     def __init__(
         self, config: EngineConfig, hf_config: PretrainedConfig, source: CheckpointSource,
         companion_cache_layers: dict[str, CacheLayer] | None = None, head: HeadBuilder | None = None,
+        steering: SteeringFile | None = None,
     ) -> None:
         """companion_cache_layers: a draft model's cache layers, sized and allocated with the
         target's (they share its block ids). head: builds a proposer head on the target before its
-        caches are sized; with one, every step keeps the hidden states it reads (`last_hidden`)."""
+        caches are sized; with one, every step keeps the hidden states it reads (`last_hidden`).
+        steering: a steering file to install (else the one --steering names, if any)."""
         self.config = config
         self.hf_config = hf_config
         self.device = torch.device(config.parallel.device)
@@ -120,6 +124,14 @@ class ModelRunner:
                           kv_cache_bytes=config.cache.kv_cache_bytes)
         self.model = build_model(self.build, source, dtype=self.dtype, device=self.device,
                                  dummy_seed=config.model.seed if dummy else None)
+        self.model_name = config.model.model or source.name
+        self.steering: SteeringFile | None = None
+        self.graphs: list[StepGraphs] = []
+        path = config.steering.steering
+        if steering is not None or path:
+            self.install_steering(steering or load_steering_file(path))
+        self.request_input_specs = self.model.request_inputs()
+        self.token_output_names = self.model.token_outputs()
         if head is not None:
             companion_cache_layers = {**(companion_cache_layers or {}), **head(self.model, self.build)}
         self.keeps_hidden = head is not None
@@ -142,7 +154,6 @@ class ModelRunner:
         self.state_tensors = allocate_caches(self.cache_layers, self.num_blocks + 1, self.cache_plan.scratch_slot + 1,
                                              self.device)
         configure_kv_scales(self, source)
-        self.graphs: list[StepGraphs] = []
         if not config.enforce_eager:
             max_batch = min(config.scheduler.max_num_seqs, MAX_CAPTURED_TOKENS)
             self.graphs.append(self.step_graphs(self.model, max_batch))
@@ -152,6 +163,19 @@ class ModelRunner:
                     self.model, min(max_batch, MAX_CAPTURED_TOKENS // verify_len), verify_len, "verify"))
             for graphs in self.graphs:
                 graphs.capture()
+
+    def install_steering(self, file: SteeringFile) -> None:
+        """Steer the model along `file`'s direction (checked against this model). Done at start-up,
+        before the memory profile and the CUDA graphs, which then capture the steered forward; later
+        (`tokenmill steer build`) only on an eager runner."""
+        if self.graphs:
+            raise ConfigError("steering must be installed before CUDA graphs are captured")
+        check_model(file, model_identity(self.model, self.hf_config, self.model_name))
+        self.model.set_residual_steering(steering_module(file, self.hf_config.num_hidden_layers, self.use_triton,
+                                                         self.device))
+        self.steering = file
+        self.request_input_specs = self.model.request_inputs()
+        self.token_output_names = self.model.token_outputs()
 
     def step_graphs(self, model: StepModel, max_batch: int, query_len: int = 1, name: str = "decode",
                     step_function: StepFunction | None = None,
@@ -167,7 +191,7 @@ class ModelRunner:
                           self.config.model.max_model_len, self.device, query_len, name,
                           scratch_state_slot=plan.scratch_slot if has_state and plan.bytes_per_state_slot else None,
                           request_inputs=model.request_inputs(), step_function=step_function,
-                          token_inputs=token_inputs, keep_hidden=keep_hidden)
+                          token_inputs=token_inputs, keep_hidden=keep_hidden, token_outputs=model.token_outputs())
 
     def _logits_and_tap(self, input_ids: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, ...]:
         hidden = self.model(input_ids, ctx)
@@ -249,12 +273,25 @@ class ModelRunner:
         ctx = StepContext(positions, metadata,
                           state_slots=to_device(state_slots, torch.int64, self.device) if state_slots else None,
                           state_checkpoints=None if checkpoints is None else to_device(checkpoints, torch.int64, self.device))
+        if self.request_input_specs:
+            self._add_request_inputs(ctx, step)
         return BatchInputs(
             input_ids=ids,
             ctx=ctx,
             logits_indices=to_device(logits_indices, torch.int64, self.device),
             uniform_query_len=_uniform_query_len(metadata.query_lens_host, len(logits_indices)),
         )
+
+    def _add_request_inputs(self, ctx: StepContext, step: StepInput) -> None:
+        """The model's per-request inputs (one value per request; a request without one gets the
+        spec's pad value) and the request row of every token."""
+        for name, spec in self.request_input_specs.items():
+            if spec.shape:
+                raise ValueError(f"request input {name!r} has shape {spec.shape}; the runner fills scalar inputs only")
+            values = [r.inputs.get(name, spec.pad) for r in step.requests]
+            ctx.request_inputs[name] = to_device(values, spec.dtype, self.device)
+        rows = [i for i, r in enumerate(step.requests) for _ in range(r.num_rows)]
+        ctx.token_rows = to_device(rows, torch.int64, self.device)
 
     @torch.inference_mode()
     def execute(self, step: StepInput, previous: StepOutput | None = None) -> StepOutput | None:
@@ -265,6 +302,7 @@ class ModelRunner:
         logits = self._logits(inputs)
         if logits is None:
             return None
+        outputs = {name: inputs.ctx.outputs[name][inputs.logits_indices] for name in self.token_output_names}
         for row, mask in enumerate(step.allowed_masks):
             if mask is not None:
                 logits[row].masked_fill_(~mask.to(self.device, non_blocking=True), float("-inf"))
@@ -272,13 +310,18 @@ class ModelRunner:
             spec = draft_verification.verify_drafts(logits, step.drafts, self.vocab_size, self.spec_verification,
                                                     self.accept_all_drafts)
             sampled = SamplerOutput(spec.token_ids, spec.logprob_token_ids, spec.logprobs)
-            return self._copy_to_host(sampled, spec.num_accepted)
-        return self._copy_to_host(self.sampler(logits, SamplingMetadata.build(step.sampling, self.vocab_size, self.device)))
+            return self._copy_to_host(sampled, spec.num_accepted, outputs)
+        sampled = self.sampler(logits, SamplingMetadata.build(step.sampling, self.vocab_size, self.device))
+        return self._copy_to_host(sampled, None, outputs)
 
-    def _copy_to_host(self, sampled: SamplerOutput, num_accepted: torch.Tensor | None = None) -> StepOutput:
-        tensors = [sampled.sampled_token_ids, sampled.logprob_token_ids, sampled.logprobs, num_accepted]
+    def _copy_to_host(self, sampled: SamplerOutput, num_accepted: torch.Tensor | None = None,
+                      outputs: dict[str, torch.Tensor] | None = None) -> StepOutput:
+        names = list(outputs or {})
+        tensors = [sampled.sampled_token_ids, sampled.logprob_token_ids, sampled.logprobs, num_accepted,
+                   *(outputs or {}).values()]
         if self.copy_stream is None:
-            return StepOutput(sampled, *tensors[:3], copied=None, host_num_accepted=num_accepted)
+            return StepOutput(sampled, *tensors[:3], copied=None, host_num_accepted=num_accepted,
+                              host_outputs=dict(zip(names, tensors[4:])))
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         host: list[torch.Tensor | None] = []
         with torch.cuda.stream(self.copy_stream):
@@ -290,7 +333,8 @@ class ModelRunner:
                 host.append(torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor, non_blocking=True))
             copied = torch.cuda.Event()
             copied.record(self.copy_stream)
-        return StepOutput(sampled, host[0], host[1], host[2], copied, host[3])
+        return StepOutput(sampled, host[0], host[1], host[2], copied, host[3],
+                          host_outputs=dict(zip(names, host[4:])))  # type: ignore[arg-type]
 
     def _logits(self, inputs: BatchInputs) -> torch.Tensor | None:
         """The sampled rows' logits (None when no row is sampled); keeps `last_hidden` when a head reads it."""

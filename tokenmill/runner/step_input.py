@@ -8,7 +8,7 @@ step still in flight samples. Its last `num_sampled_rows` rows are sampled.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +29,8 @@ class RequestRows:
     num_sampled_rows: int = 0  # 0, or 1 + drafts
     # Per row, a recurrent-state slot to write the state after it into (-1: none); None: no row has one.
     checkpoint_slots: Sequence[int] | None = None
+    # Its values of the model's per-request inputs (CausalLM.request_inputs), e.g. steering strengths.
+    inputs: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         drafts = 0 if self.device_drafts is None else self.device_drafts.numel()

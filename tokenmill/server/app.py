@@ -54,6 +54,7 @@ from tokenmill.server.serving import (
 )
 from tokenmill.server.serving_chat import create_chat_completion
 from tokenmill.server.serving_completion import create_completion
+from tokenmill.server.steering import make_detector
 from tokenmill.server.tool_parsers import detect_tool_parser, get_tool_parser
 from tokenmill.server.validation import NotUtf8, clip, decode_body, find_lone_surrogate
 
@@ -100,7 +101,7 @@ def create_state(
     engine: EngineClient, *, metrics: ServerMetrics, served_model_names: list[str] | None = None,
     chat_template: str | None = None, tool_call_parser: str = "auto", reasoning_parser: str | None = None,
     api_key: str | None = None, trust_request_chat_template: bool = False, request_log_dir: str | None = None,
-    request_timeout: float | None = None, tokenizer_workers: int | None = None,
+    request_timeout: float | None = None, tokenizer_workers: int | None = None, refusal_detector: str = "auto",
 ) -> ServerState:
     """Server state over an engine client; `metrics` must be the sink the client reports to."""
     info = engine.model_info
@@ -121,6 +122,7 @@ def create_state(
         api_key=api_key,
         trust_request_chat_template=trust_request_chat_template,
         request_log=RequestLog(request_log_dir) if request_log_dir else None, request_timeout=request_timeout,
+        steering=info.steering, detector=make_detector(refusal_detector, info.steering),
     )
 
 
@@ -336,6 +338,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     def answer(exc: BaseException, message: str | None = None, **kw: Any) -> JSONResponse:
         status = status_of(exc)
         headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, EngineBusyError) else None
+        kw.setdefault("param", getattr(exc, "param", None))
         return JSONResponse(error_body(str(exc) if message is None else message, status, **kw), status, headers=headers)
 
     @app.exception_handler(RequestValidationError)

@@ -122,7 +122,7 @@ class AsyncEngine:
 
     async def submit(
         self, request_id: str, children: list[ChildRequest], *, priority: int = 0,
-        cache_salt: str | None = None, timeout: float | None = None,
+        cache_salt: str | None = None, timeout: float | None = None, steering: dict[str, float] | None = None,
     ) -> RequestStream:
         self._check_alive()
         stream = RequestStream(request_id, len(children), self._send_abort)
@@ -130,7 +130,7 @@ class AsyncEngine:
             stream.set_deadline(timeout, f"the request did not finish within --request-timeout ({timeout:g} s "
                                          "left when it was queued) and was aborted")
         ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._send(("add", stream, children, priority, cache_salt, ack))
+        self._send(("add", stream, children, priority, cache_salt, steering, ack))
         try:
             await ack
         except asyncio.CancelledError:
@@ -273,7 +273,7 @@ class AsyncEngine:
 
     def _add(
         self, stream: RequestStream, children: list[ChildRequest], priority: int,
-        cache_salt: str | None, ack: asyncio.Future[None],
+        cache_salt: str | None, steering: dict[str, float] | None, ack: asyncio.Future[None],
     ) -> None:
         if stream.finished:  # the client left (or the deadline passed) before the engine saw it
             _resolve(ack, result=None)
@@ -296,7 +296,7 @@ class AsyncEngine:
         try:
             for index, (child_id, child) in enumerate(zip(stream.child_ids, children)):
                 self.engine.add_request(
-                    child_id, child.prompt, child.params, priority=priority, cache_salt=cache_salt
+                    child_id, child.prompt, child.params, priority=priority, cache_salt=cache_salt, steering=steering
                 )
                 added.append(child_id)
                 num_prompt = len(child.prompt) if isinstance(child.prompt, list) else 0

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from tokenmill.models.steering_file import DetectorCalibration
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -66,6 +67,15 @@ class ChildRequest:
 
 
 @dataclass(frozen=True)
+class SteeringInfo:
+    """The served steering file, as the server sees it."""
+
+    directions: tuple[str, ...]
+    max_strength: float
+    calibrations: dict[str, DetectorCalibration | None]  # per direction: the refusal detector's
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What the server needs to know about the served model."""
 
@@ -74,6 +84,7 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     tokenizer: Any  # a Hugging Face tokenizer for the server's own use, or None
+    steering: SteeringInfo | None = None  # None: the engine steers nothing (--steering not given)
 
 
 @dataclass(frozen=True)
@@ -212,11 +223,12 @@ class EngineClient(Protocol):
 
     async def submit(
         self, request_id: str, children: list[ChildRequest], *, priority: int = 0,
-        cache_salt: str | None = None, timeout: float | None = None,
+        cache_salt: str | None = None, timeout: float | None = None, steering: dict[str, float] | None = None,
     ) -> RequestStream:
         """Adds every child; returns once the engine accepted them all. Raises the engine's
         InvalidRequestError (nothing is left running then), EngineBusyError or EngineDeadError.
-        With `timeout`, the stream fails with RequestTimeoutError that many seconds from now."""
+        With `timeout`, the stream fails with RequestTimeoutError that many seconds from now;
+        `steering`: strengths per direction of the served steering file, for every child."""
         ...
 
     def abort(self, request_id: str) -> None: ...
@@ -247,7 +259,7 @@ class SteppableEngine(Protocol):
     config: EngineConfig
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    priority: int = 0, cache_salt: str | None = None) -> None: ...
+                    priority: int = 0, cache_salt: str | None = None, steering: dict[str, float] | None = None) -> None: ...
 
     def abort_request(self, request_id: str) -> None: ...
 
@@ -283,4 +295,8 @@ def model_info_of(engine: SteppableEngine) -> ModelInfo:
     vocab = getattr(engine.hf_config, "vocab_size", None) or (len(tokenizer) if tokenizer is not None else 0)
     source = engine.source
     root = str(getattr(source, "gguf_file", None) or getattr(source, "path", None) or engine.model_name)
-    return ModelInfo(engine.model_name, root, engine.config.model.max_model_len, int(vocab), tokenizer)
+    file = getattr(engine, "steering", None)
+    steering = None if file is None else SteeringInfo(
+        tuple(file.directions), engine.config.steering.steering_max_strength,
+        {name: d.calibration for name, d in file.directions.items()})
+    return ModelInfo(engine.model_name, root, engine.config.model.max_model_len, int(vocab), tokenizer, steering)

@@ -76,8 +76,26 @@ class ServerMetrics:
             "tokenmill:request_generation_tokens", "Generated tokens per request", labels,
             buckets=_TOKEN_BUCKETS, registry=self.registry,
         )
+        # The refusal detector (only when it is on): responses judged and refused, by the request's
+        # steering strength (rounded to 0.25: a bounded label set) and the signal used.
+        refusal_labels = labels + ["strength", "signal"]
+        self.refusal_checked = Counter(
+            "tokenmill:refusal_checked_responses", "Responses the refusal detector judged, by steering strength",
+            refusal_labels, registry=self.registry,
+        )
+        self.refusal_refused = Counter(
+            "tokenmill:refusal_refused_responses", "Responses the refusal detector judged refusals, by steering strength",
+            refusal_labels, registry=self.registry,
+        )
         self._stats: Any = None
         self.registry.register(_EngineStatsCollector(self))
+
+    def on_refusal_verdict(self, strength: str, signal: str, refused: bool) -> None:
+        self.refusal_checked.labels(self.model_name, strength, signal).inc()
+        if refused:
+            self.refusal_refused.labels(self.model_name, strength, signal).inc()
+        else:  # the series exists from the first judged response on, so a rate can be read at once
+            self.refusal_refused.labels(self.model_name, strength, signal).inc(0)
 
     # RequestMetricsSink (called from the engine thread; prometheus_client is thread-safe)
     def on_tokens(self, now: float, previous: float | None, arrival: float) -> None:

@@ -158,7 +158,11 @@ class _SamplingFields(OpenAIModel):
     user: str | None = None
     return_token_ids: Bool | None = False
     priority: int = Field(default=0, description="lower runs first under --scheduling-policy priority")
-    cache_salt: str | None = None
+    cache_salt: str | None = Field(default=None, description='a prefix-cache salt; "refusal:0.5" also sets a steering '
+                                   "strength on a server started with --steering")
+    steering: dict[str, Any] | None = Field(default=None, description='tokenmill extension: a strength per steered '
+                                            'direction, e.g. {"refusal": 0.5} (0 = none, 1 = full ablation); needs a '
+                                            "server started with --steering")
     cache_prompt: Bool | None = None  # llama.cpp's flag: accepted and ignored
     response_format: ResponseFormat | None = None
     # vLLM's guided-decoding fields (the older spelling, still sent by many clients)
@@ -282,6 +286,14 @@ class ResponseMessage(BaseModel):
     refusal: str | None = None
 
 
+class RefusalInfo(BaseModel):
+    """tokenmill extension, with the refusal detector on: whether the response refuses."""
+
+    score: float  # 0..1
+    refused: bool  # score >= 0.5
+    signal: Literal["direction+phrases", "phrases"]
+
+
 class ChatCompletionChoice(BaseModel):
     index: int
     message: ResponseMessage
@@ -289,6 +301,7 @@ class ChatCompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
+    refusal: RefusalInfo | None = None  # only with the refusal detector on
 
 
 class ChatCompletionResponse(BaseModel):
@@ -328,6 +341,7 @@ class ChatCompletionStreamChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
+    refusal: RefusalInfo | None = None  # in the choice's last chunk, with the refusal detector on
 
 
 class ChatCompletionChunk(BaseModel):
@@ -357,6 +371,7 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+    refusal: RefusalInfo | None = None  # with the refusal detector on (streamed: in the choice's last chunk)
 
 
 class CompletionResponse(BaseModel):

@@ -75,6 +75,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="split <think>...</think> into reasoning_content (deepseek_r1: the answer starts "
                         "inside the thought; qwen3/think: only when it opens with <think>)")
+    s.add_argument("--refusal-detector", default="auto", choices=["auto", "on", "off"],
+                   help="judge every response for refusal: a `refusal` object ({score, refused, signal}) in each choice "
+                        "(streamed: in its last chunk) and the tokenmill:refusal_* counters by steering strength. auto = "
+                        "on with --steering (the direction's projection plus a phrase list), off without; on without "
+                        "--steering uses the phrase list only (default: auto)")
     s.add_argument("--log-requests-dir", default=None, metavar="DIR",
                    help="append one JSON line per finished request (id, model, prompt and generated token ids, "
                         "finish reason, time) to DIR/requests-YYYY-MM-DD.jsonl (UTC day); "
@@ -233,6 +238,7 @@ def build_server(args: argparse.Namespace, sock: socket.socket) -> Any:
         api_key=args.api_key, trust_request_chat_template=args.trust_request_chat_template,
         request_log_dir=args.log_requests_dir, request_timeout=args.request_timeout,
         tokenizer_workers=args.tokenizer_workers, max_waiting_requests=args.max_waiting_requests or None,
+        refusal_detector=args.refusal_detector,
     )
     state.max_grammar_bytes = args.max_grammar_bytes
     app = build_app(state, max_request_bytes=args.max_request_bytes, max_header_bytes=args.max_header_bytes,

@@ -18,13 +18,14 @@ from fastapi import Request
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams, StructuredOutputSpec
 from tokenmill.server.chat import ChatRenderer, check_json_schema
-from tokenmill.server.engine_client import ERROR_STATUS, EngineClient, RequestStream, RequestTimeoutError
+from tokenmill.server.engine_client import ERROR_STATUS, EngineClient, RequestStream, RequestTimeoutError, SteeringInfo
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.prompt_tokenizer import PromptTokenizer
 from tokenmill.server.protocol import _SamplingFields
 from tokenmill.server.reasoning import ReasoningParser
 from tokenmill.server.request_log import RequestLog
 from tokenmill.server.validation import clip
+from tokenmill.steering.detector import RefusalDetector
 
 T = TypeVar("T")
 SEED_MODULUS = 2**62  # any int64 seed maps into what torch generators take, with room for +n
@@ -95,6 +96,8 @@ class ServerState:
     request_log: RequestLog | None = None
     request_timeout: float | None = None  # seconds from arrival; None = no deadline
     max_grammar_bytes: int = 32 * 2**10  # a structured-output grammar's source; compile time grows steeply past it
+    steering: SteeringInfo | None = None  # the served steering file (None: requests may not steer)
+    detector: RefusalDetector | None = None  # None: no `refusal` objects, no detector metrics
     _token_strs: dict[int, str] = field(default_factory=dict)
     _grammars: Any = None  # a StructuredOutputManager, made on first use
     _grammars_lock: threading.Lock = field(default_factory=threading.Lock)

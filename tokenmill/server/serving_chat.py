@@ -38,6 +38,7 @@ from tokenmill.server.serving import (
     structured_from_request,
     unless_disconnected,
 )
+from tokenmill.server.steering import refusal_of, strengths_of
 from tokenmill.server.tool_parsers import (
     NamedToolParser,
     RequiredToolParser,
@@ -58,6 +59,7 @@ class _Plan:
     prompt_ids: list[int]
     tool_parser: ToolParser | None
     top_logprobs: int | None  # None: no logprobs
+    steering: dict[str, float] = field(default_factory=dict)  # the request's strengths
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -95,6 +97,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if req.chat_template is not None and not state.trust_request_chat_template:
         raise InvalidRequestError(
             "chat_template in a request is refused; start the server with --trust-request-chat-template")
+    strengths = strengths_of(state, req)
     tool_parser, structured = None, None
     if req.tools or req.tool_choice is not None or asks_structured(req):  # tool schemas too: off the loop
         tool_parser, structured = await asyncio.to_thread(_structured_setup, state, req)
@@ -112,10 +115,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         prompt_len=len(prompt_ids), logprobs=top, structured=structured,
     )
     n = req.n or 1
-    plan = _Plan(new_request_id("chatcmpl"), model, prompt_text, prompt_ids, tool_parser, top)
+    plan = _Plan(new_request_id("chatcmpl"), model, prompt_text, prompt_ids, tool_parser, top, strengths)
     children = [ChildRequest(prompt_ids, params.for_child(i)) for i in range(n)]
     stream = await state.engine.submit(plan.request_id, children, priority=req.priority, cache_salt=req.cache_salt,
-                                       timeout=state.time_left(arrival))
+                                       timeout=state.time_left(arrival), steering=strengths or None)
     if state.request_log is not None:
         state.request_log.watch(stream, model, children)
     if req.stream:
@@ -140,6 +143,7 @@ class _Choice:
     started: bool = False
     tool_called: bool = False
     spec: Any = None  # the latest (cumulative) SpecUsage, None without speculative decoding
+    text: str = ""  # the whole answer so far (kept only for the refusal detector)
 
 
 def _parse_delta(choice: _Choice, text: str, final: bool) -> tuple[str, str, list[dict[str, Any]]]:
@@ -185,6 +189,8 @@ async def _stream_events(
             choice.num_tokens += len(completion.token_ids)
             if completion.logprobs:
                 choice.pending_logprobs += completion.logprobs
+            if state.detector is not None:
+                choice.text += completion.text
             reasoning, content, calls = _parse_delta(choice, completion.text, output.finished)
             if not (reasoning or content or calls or output.finished):
                 continue  # nothing visible yet: the ids ride with the next chunk
@@ -207,6 +213,9 @@ async def _stream_events(
             if output.finished:
                 item["finish_reason"] = _finish_reason(completion.finish_reason, choice.tool_called)
                 item["stop_reason"] = completion.stop_reason
+                refusal = refusal_of(state, choice.text, output.direction_projections, plan.steering)
+                if refusal is not None:
+                    item["refusal"] = refusal
             if req.return_token_ids:
                 item["token_ids"] = choice.pending_ids
             choice.pending_ids, choice.pending_logprobs = [], []
@@ -255,6 +264,7 @@ async def _full_response(
     finish: list[Any] = [None] * n
     stop_reason: list[Any] = [None] * n
     specs: list[Any] = [None] * n
+    projections: list[Any] = [None] * n
     cached = 0
     async for index, output in stream:
         completion = output.outputs[0]
@@ -266,6 +276,7 @@ async def _full_response(
         logprobs[index] += completion.logprobs or []
         if output.finished:
             finish[index], stop_reason[index] = completion.finish_reason, completion.stop_reason
+            projections[index] = output.direction_projections
     choices = []
     for i in range(n):
         reasoning: str | None = None
@@ -292,6 +303,9 @@ async def _full_response(
             choice["logprobs"] = {"content": chat_logprobs(state, ids[i], logprobs[i], plan.top_logprobs)}
         if req.return_token_ids:
             choice["token_ids"] = ids[i]
+        refusal = refusal_of(state, texts[i], projections[i], plan.steering)
+        if refusal is not None:
+            choice["refusal"] = refusal
         choices.append(choice)
     completion_tokens = sum(len(x) for x in ids)
     usage: dict[str, Any] = {

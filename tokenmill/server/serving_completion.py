@@ -30,6 +30,7 @@ from tokenmill.server.serving import (
     structured_from_request,
     unless_disconnected,
 )
+from tokenmill.server.steering import refusal_of, strengths_of
 
 MAX_PROMPTS = 256
 MAX_SEQUENCES = 1024  # prompts x n in one request
@@ -47,6 +48,7 @@ class _Plan:
     model: str
     prompts: list[_Prompt]
     n: int
+    steering: dict[str, float] = field(default_factory=dict)  # the request's strengths
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -81,6 +83,7 @@ async def _prompts(state: ServerState, req: CompletionRequest, raw: Request) -> 
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Any:
     arrival = time.monotonic()
     model = state.check_model(req.model)
+    strengths = strengths_of(state, req)
     structured = None
     if asks_structured(req):
         structured = await asyncio.to_thread(lambda: state.compile_structured(structured_from_request(req)))
@@ -95,9 +98,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
             prompt_len=len(prompt.ids), logprobs=req.logprobs, structured=structured,
         )
         children += [ChildRequest(prompt.ids, params.for_child(i)) for i in range(n)]
-    plan = _Plan(new_request_id("cmpl"), model, prompts, n)
+    plan = _Plan(new_request_id("cmpl"), model, prompts, n, strengths)
     stream = await state.engine.submit(plan.request_id, children, priority=req.priority, cache_salt=req.cache_salt,
-                                       timeout=state.time_left(arrival))
+                                       timeout=state.time_left(arrival), steering=strengths or None)
     if state.request_log is not None:
         state.request_log.watch(stream, model, children)
     if req.stream:
@@ -120,6 +123,7 @@ class _Choice:
     pending_logprobs: list[Any] = field(default_factory=list)
     spec: Any = None  # the latest (cumulative) SpecUsage, None without speculative decoding
     cached: int = 0  # prompt tokens found in the prefix cache
+    text: str = ""  # the generated text so far (kept only for the refusal detector)
 
 
 def _echo(req: CompletionRequest, choice: _Choice) -> tuple[str, list[int], list[Any]]:
@@ -162,6 +166,8 @@ async def _stream_events(
             if req.logprobs is not None:
                 choice.pending_logprobs += completion.logprobs or [{}] * len(completion.token_ids)
             text = completion.text
+            if state.detector is not None:
+                choice.text += text
             if not (text or output.finished):
                 continue  # nothing visible yet: the ids ride with the next chunk
             first = not choice.started
@@ -178,6 +184,9 @@ async def _stream_events(
             if output.finished:
                 item["finish_reason"] = completion.finish_reason
                 item["stop_reason"] = completion.stop_reason
+                refusal = refusal_of(state, choice.text, output.direction_projections, plan.steering)
+                if refusal is not None:
+                    item["refusal"] = refusal
             if req.return_token_ids:
                 item["token_ids"] = choice.pending_ids
                 if first:
@@ -204,6 +213,7 @@ async def _full_response(state: ServerState, req: CompletionRequest, plan: _Plan
     rows: list[list[Any]] = [[] for _ in choices]
     finish: list[Any] = [None] * len(choices)
     stop_reason: list[Any] = [None] * len(choices)
+    projections: list[Any] = [None] * len(choices)
     async for index, output in stream:
         completion = output.outputs[0]
         choices[index].cached = max(choices[index].cached, output.num_cached_tokens)
@@ -216,6 +226,7 @@ async def _full_response(state: ServerState, req: CompletionRequest, plan: _Plan
             rows[index] += completion.logprobs or [{}] * len(completion.token_ids)
         if output.finished:
             finish[index], stop_reason[index] = completion.finish_reason, completion.stop_reason
+            projections[index] = output.direction_projections
     out = []
     for index, choice in enumerate(choices):
         echo_text, echo_ids, echo_rows = _echo(req, choice)
@@ -229,6 +240,9 @@ async def _full_response(state: ServerState, req: CompletionRequest, plan: _Plan
         if req.return_token_ids:
             item["prompt_token_ids"] = choice.prompt.ids
             item["token_ids"] = ids[index]
+        refusal = refusal_of(state, texts[index], projections[index], plan.steering)
+        if refusal is not None:
+            item["refusal"] = refusal
         out.append(item)
     return {
         "id": plan.request_id, "object": "text_completion", "created": plan.created,
