@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without CUDA the Triton kernels run under the interpreter, and TRITON_INTERPRET must be set before
+# any kernel module is decorated: here, before any test module (of any folder) imports tokenmill.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

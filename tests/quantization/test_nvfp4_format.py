@@ -22,7 +22,7 @@ from tokenmill.quantization.unquantized_experts import fused_experts_ref
 
 NVFP4 = {"quant_algo": "NVFP4", "group_size": 16, "where": "hf_quant_config.json quantization.quant_algo"}
 W4A16 = {"quant_algo": "W4A16_NVFP4", "group_size": 16, "where": "hf_quant_config.json quantization.quant_algo"}
-HOPPER, BLACKWELL = EngineChoices((9, 0)), EngineChoices((10, 0))
+HOPPER, BLACKWELL = EngineChoices((9, 0)), EngineChoices((10, 0), "w4a4")  # W4A4 runs only when asked for
 
 
 def fmt(settings: dict = NVFP4, choices: EngineChoices = EngineChoices()):
@@ -139,9 +139,10 @@ def test_w4a4_quantizes_the_activations_per_16_under_the_input_scale() -> None:
 
 def test_the_activation_mode_follows_the_device_and_fails_closed(caplog: pytest.LogCaptureFixture) -> None:
     assert fmt(NVFP4, BLACKWELL).activations == "w4a4"
-    assert fmt(NVFP4, EngineChoices((12, 1))).activations == "w4a4"
+    assert fmt(NVFP4, EngineChoices((12, 1), "w4a4")).activations == "w4a4"
+    assert fmt(NVFP4, EngineChoices((10, 0))).activations == "w4a16"  # auto: W4A4 has no FP4 MMA kernel yet
     assert fmt(NVFP4, EngineChoices((10, 0), "w4a16")).activations == "w4a16"
-    assert fmt(W4A16, BLACKWELL).activations == "w4a16"
+    assert fmt(W4A16, EngineChoices((10, 0))).activations == "w4a16"
     with caplog.at_level(logging.INFO):
         assert fmt({**NVFP4, "where": "a hopper checkpoint"}, HOPPER).activations == "w4a16"
     assert "input scales are loaded but unused" in caplog.text

@@ -196,7 +196,8 @@ def _check_heavy(salt: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("schema,bound", [(_compile_heavy, 1 / 4), (_check_heavy, 1 / 2)],
                          ids=["compile-heavy", "check-heavy"])
-def test_a_large_schema_stalls_neither_streams_nor_health(server: Any, schema: Any, bound: float) -> None:
+def test_a_large_schema_stalls_neither_streams_nor_health(server: Any, schema: Any, bound: float,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """While a request with a large json_schema is checked and compiled (seconds), a running stream
     keeps getting tokens and /health keeps answering, each gap a small part of that request's
     time. Compiled again on the engine thread, the grammar held every stream for the whole compile
@@ -205,6 +206,7 @@ def test_a_large_schema_stalls_neither_streams_nor_health(server: Any, schema: A
     while it runs on a worker thread, so that case's bound is looser.)"""
     import uuid
 
+    monkeypatch.setattr(server.state, "max_grammar_bytes", 1 << 20)  # above the schemas: they are checked and compiled
     model = server.state.model_name
     warm = {"model": model, "messages": QUESTION, "max_tokens": 1, "response_format": {"type": "json_object"}}
     assert httpx.post(f"{server.base_url}/chat/completions", json=warm, timeout=60).status_code == 200
