@@ -95,7 +95,7 @@ class AnswerEngine(ScriptedEngine):
         self.answers: dict[str, str] = {}
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, steering: dict[str, float] | None = None) -> None:
         super().add_request(request_id, prompt, SamplingParams(max_tokens=max(1, -(-len(self.answer) // self.piece))))
         self.answers[request_id] = self.answer
 
