@@ -24,6 +24,7 @@ from tokenmill.layers.steering import ResidualSteering, SteeringStep, residual_a
 from tokenmill.layers.step_context import StepContext
 from tokenmill.models.interface import CausalLM, ModelBuild
 from tokenmill.models.weights import PackedModules, load_checkpoint
+from tokenmill.quantization.base import embedding
 from tokenmill.quantization.kv_scales import key_value_scales
 
 # checkpoint projection -> (fused module, shard)
@@ -157,7 +158,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         config = build.hf_config
         rotary = RotaryEmbedding(config, head_dim_of(config), build.max_model_len, build.use_triton)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         prefixes = [f"model.layers.{i}" for i in range(config.num_hidden_layers)]
         self.layers = nn.ModuleList(
             DecoderLayer(build, rotary, variant, prefix, make_mlp(build, i, f"{prefix}.mlp")) for i, prefix in enumerate(prefixes)

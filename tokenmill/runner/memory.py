@@ -26,23 +26,25 @@ def device_memory(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.mem_get_info(device)
 
 
-def check_weights_fit(weight_bytes: int, config: EngineConfig, device: torch.device, what: str = "the model",
-                      kv_cache_bytes: int | None = None) -> None:
+def check_weights_fit(weight_bytes: Callable[[], int], config: EngineConfig, device: torch.device,
+                      what: str = "the model", kv_cache_bytes: int | None = None) -> None:
     """Refuse, before allocating them, weights that cannot fit beside what the device already holds
-    in its gpu_memory_utilization share (and an explicit KV cache size)."""
+    in its gpu_memory_utilization share (and an explicit KV cache size). weight_bytes is called only
+    where the device's memory is known (sizing a model constructs it on the meta device)."""
     memory = device_memory(device)
     if memory is None:
         return
     free, total = memory
+    weights = weight_bytes()
     utilization = config.cache.gpu_memory_utilization
     in_use = total - free
     usable = int(total * utilization) - in_use - GPU_HEADROOM_BYTES
-    need = weight_bytes + (kv_cache_bytes or 0)
+    need = weights + (kv_cache_bytes or 0)
     if need <= usable:
         return
     kv = f" and {kv_cache_bytes / GIB:.2f} GiB of KV cache (--kv-cache-bytes)" if kv_cache_bytes else ""
     raise ConfigError(
-        f"{what} does not fit: its weights need {weight_bytes / GIB:.2f} GiB ({weight_bytes:,} bytes){kv}, but "
+        f"{what} does not fit: its weights need {weights / GIB:.2f} GiB ({weights:,} bytes){kv}, but "
         f"{max(usable, 0) / GIB:.2f} GiB of the device's {total / GIB:.2f} GiB are usable ({in_use / GIB:.2f} GiB in "
         f"use, --gpu-memory-utilization {utilization}, {GPU_HEADROOM_BYTES / GIB:.1f} GiB headroom); use a smaller or "
         "quantized model, another device, or raise --gpu-memory-utilization"

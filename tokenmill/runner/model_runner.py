@@ -120,7 +120,7 @@ class ModelRunner:
         quantization = with_dual_weights(quantization, config, self.use_triton)
         self.build = ModelBuild(hf_config, self.backend, config.model.max_model_len, self.block_size, self.kv_dtype,
                                 self.use_triton, quantization, state_dtype=state_dtype)
-        check_weights_fit(model_weight_bytes(self.build, self.dtype), config, self.device,
+        check_weights_fit(lambda: model_weight_bytes(self.build, self.dtype), config, self.device,
                           kv_cache_bytes=config.cache.kv_cache_bytes)
         self.model = build_model(self.build, source, dtype=self.dtype, device=self.device,
                                  dummy_seed=config.model.seed if dummy else None)
