@@ -244,6 +244,13 @@ class EngineConfig:
     steering: SteeringConfig = field(default_factory=SteeringConfig)
     enforce_eager: bool = False
     """Run eagerly (no CUDA graphs). The reference path is always eager."""
+    cuda_graph_capture: str = "eager"
+    """When decode (and verify) CUDA graphs are captured: eager = all at start-up; lazy = each the
+    first time a step needs it (start-up captures none; that step waits for the capture, logged
+    with its cost: about two forwards' launches, a stall every running stream sees once per
+    graph). Either way a graph is captured for the batch buckets up to --max-num-seqs and the
+    context buckets up to --max-model-len, and context buckets whose launch plans equal a larger
+    one's share its graph."""
     benchmark_only: BenchmarkOnlyConfig = field(default_factory=BenchmarkOnlyConfig)
     """Not a serving option: see BenchmarkOnlyConfig."""
 
@@ -312,6 +319,8 @@ class EngineConfig:
             raise ConfigError(f"unknown --load-format {self.model.load_format!r}; use auto or dummy")
         if sched.policy not in ("fcfs", "priority"):
             raise ConfigError(f"unknown --scheduling-policy {sched.policy!r}; use fcfs or priority")
+        if self.cuda_graph_capture not in ("eager", "lazy"):
+            raise ConfigError(f"unknown --cuda-graph-capture {self.cuda_graph_capture!r}; use eager or lazy")
         if sched.max_num_seqs < 1 or sched.max_num_batched_tokens < 1:
             raise ConfigError("--max-num-seqs and --max-num-batched-tokens must be positive")
 
@@ -347,6 +356,7 @@ class EngineConfig:
             speculative=SpeculativeConfig.from_json(getattr(args, "speculative_config", None)),
             steering=section(SteeringConfig),
             enforce_eager=args.enforce_eager,
+            cuda_graph_capture=args.cuda_graph_capture,
         )
 
 
@@ -442,3 +452,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=AUTO, help="cuda, cpu or auto")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per model (1 only, for now)")
     p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    p.add_argument("--cuda-graph-capture", default="eager", choices=["eager", "lazy"],
+                   help="eager = capture the decode CUDA graphs at start-up; lazy = each on first use (faster start-up, "
+                        "a one-off stall per graph, logged)")

@@ -191,7 +191,9 @@ class ModelRunner:
                           self.config.model.max_model_len, self.device, query_len, name,
                           scratch_state_slot=plan.scratch_slot if has_state and plan.bytes_per_state_slot else None,
                           request_inputs=model.request_inputs(), step_function=step_function,
-                          token_inputs=token_inputs, keep_hidden=keep_hidden, token_outputs=model.token_outputs())
+                          token_inputs=token_inputs, keep_hidden=keep_hidden, token_outputs=model.token_outputs(),
+                          plan_key=getattr(model, "graph_plan_key", None),
+                          lazy=self.config.cuda_graph_capture == "lazy")
 
     def _logits_and_tap(self, input_ids: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, ...]:
         hidden = self.model(input_ids, ctx)
