@@ -21,6 +21,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
@@ -128,29 +129,55 @@ def _free_port() -> int:
 
 def time_to_health(serve_args: list[str], timeout: float = 600.0) -> float:
     """Seconds from spawning `tokenmill serve` to the first 200 from /health."""
+    return _serve_times(serve_args, timeout, first_token=False)[0]
+
+
+def time_to_first_token(serve_args: list[str], timeout: float = 600.0) -> tuple[float, float]:
+    """Seconds from spawning `tokenmill serve` to /health 200, and to the first token of a
+    completion of 16 prompt token ids (works without a tokenizer: random-weight checkpoints)."""
+    return _serve_times(serve_args, timeout, first_token=True)
+
+
+def _serve_times(serve_args: list[str], timeout: float, first_token: bool) -> tuple[float, float]:
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), *serve_args],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    command = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), "--served-model-name", "m",
+               *serve_args]
+    log = tempfile.TemporaryFile("w+")  # a pipe left unread would block the server once full
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
     try:
-        while time.perf_counter() - start < timeout:
-            if proc.poll() is not None:
-                raise RuntimeError(f"tokenmill serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as response:
-                    if response.status == 200:
-                        return time.perf_counter() - start
-            except OSError:
-                pass
-            time.sleep(0.02)
-        raise TimeoutError(f"no /health 200 within {timeout} s")
+        health = _wait_for_health(proc, port, start, timeout, log)
+        if not first_token:
+            return health, health
+        body = json.dumps({"model": "m", "prompt": list(range(100, 116)), "max_tokens": 1}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            response.read()
+        return health, time.perf_counter() - start
     finally:
         proc.terminate()
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        log.close()
+
+
+def _wait_for_health(proc: subprocess.Popen, port: int, start: float, timeout: float, log: Any) -> float:
+    while time.perf_counter() - start < timeout:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"tokenmill serve exited with {proc.returncode}: {log.read()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as response:
+                if response.status == 200:
+                    return time.perf_counter() - start
+        except OSError:
+            pass
+        time.sleep(0.02)
+    raise TimeoutError(f"no /health 200 within {timeout} s")
 
 
 def main() -> None:
