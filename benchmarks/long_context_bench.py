@@ -46,7 +46,7 @@ LLAMA_31_8B_262K = {
     "bos_token_id": 128000, "eos_token_id": 128001, "rope_theta": 500000.0,
 }
 TINY = {**LLAMA_31_8B_262K, "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
-        "num_attention_heads": 8, "num_key_value_heads": 2, "torch_dtype": "float32"}
+        "num_attention_heads": 8, "num_key_value_heads": 2, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
 DEPTHS = {"d32k": 32768, "d100k": 100_000, "d260k": 260_000}  # multiples of the block size: the context caches whole
 SMOKE_DEPTHS = {"d32k": 512, "d100k": 1024, "d260k": 2048}
 

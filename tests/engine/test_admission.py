@@ -135,3 +135,49 @@ def test_a_prefill_alone_takes_the_long_prefill_budget() -> None:
     engine.add("long2", 2000, 1)
     engine.step()  # the stream decodes: the decode-latency budget
     assert [(name, n) for name, _, n in engine.steps[-1]] == [("stream", 1), ("long2", 63)]
+
+
+# ---- through the engine, on a tiny model with a cache of exactly max_model_len tokens
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory):
+    from tiny_models import save_tiny_checkpoint
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny_checkpoint("llama", path)
+    return path
+
+
+def tight_llm(path, blocks: int, max_model_len: int = 64, **overrides):
+    from tokenmill import LLM
+
+    roomy = LLM(str(path), device="cpu", dtype="float32", max_model_len=max_model_len, block_size=4)
+    per_block = roomy.engine.runner.cache_plan.bytes_per_block
+    return LLM(str(path), device="cpu", dtype="float32", max_model_len=max_model_len, block_size=4,
+               kv_cache_bytes=blocks * per_block, **overrides)
+
+
+def test_the_engine_queues_what_does_not_fit_refuses_what_never_can_and_leaks_nothing(tiny_llama) -> None:
+    from tokenmill.errors import InvalidRequestError
+
+    llm = tight_llm(tiny_llama, blocks=16, max_num_batched_tokens=12)  # 64 tokens: one longest request
+    assert llm.engine.kv.num_blocks == 16
+    prompts = [[(7 * i + j) % 200 + 1 for j in range(n)] for i, n in enumerate((40, 9, 33, 5, 50, 17))]
+    params = [SamplingParams(temperature=0, max_tokens=64 - len(p) - i % 3, ignore_eos=True) for i, p in enumerate(prompts)]
+    outs = llm.generate(prompts, params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
+    stats = llm.engine.stats()
+    assert stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
+    with pytest.raises(InvalidRequestError, match=r"max_tokens 30 plus the prompt's 40 tokens exceeds the context of 64"):
+        llm.generate([prompts[0]], SamplingParams(max_tokens=30))
+    with pytest.raises(InvalidRequestError, match=r"the prompt has 64 tokens but the context is 64 tokens"):
+        llm.generate([[1] * 64], SamplingParams(max_tokens=1))
+    assert llm.engine.stats().kv_blocks_used == 0
+
+
+def test_a_cache_smaller_than_one_request_is_refused_at_start_up(tiny_llama) -> None:
+    from tokenmill.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"the KV cache holds 60 tokens but --max-model-len is 64: one request could never fit"):
+        tight_llm(tiny_llama, blocks=15)
