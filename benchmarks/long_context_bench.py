@@ -218,9 +218,11 @@ class Bench:
         flags = ["--model", self.config_dir, "--load-format", "dummy", "--kv-cache-dtype", "fp8",
                  "--max-model-len", "131072", "--kv-cache-bytes", "40G"]
         for mode in ("eager", "lazy"):
-            health, first = time_to_first_token([*flags, "--cuda-graph-capture", mode])
+            health, first, log = time_to_first_token([*flags, "--cuda-graph-capture", mode])
             self.report(f"startup ({mode} graphs): to /health 200", health, "s")
             self.report(f"startup ({mode} graphs): to the first token", first, "s")
+            for line in log:
+                print(f"   {line}", flush=True)
 
 
 def main() -> None:

@@ -132,13 +132,15 @@ def time_to_health(serve_args: list[str], timeout: float = 600.0) -> float:
     return _serve_times(serve_args, timeout, first_token=False)[0]
 
 
-def time_to_first_token(serve_args: list[str], timeout: float = 600.0) -> tuple[float, float]:
+def time_to_first_token(serve_args: list[str], timeout: float = 600.0) -> tuple[float, float, list[str]]:
     """Seconds from spawning `tokenmill serve` to /health 200, and to the first token of a
-    completion of 16 prompt token ids (works without a tokenizer: random-weight checkpoints)."""
-    return _serve_times(serve_args, timeout, first_token=True)
+    completion of 16 prompt token ids (works without a tokenizer: random-weight checkpoints);
+    the server's log lines about CUDA graphs and the memory profile."""
+    health, first, log = _serve_times(serve_args, timeout, first_token=True)
+    return health, first, [line for line in log.splitlines() if "CUDA graph" in line or "memory profile" in line]
 
 
-def _serve_times(serve_args: list[str], timeout: float, first_token: bool) -> tuple[float, float]:
+def _serve_times(serve_args: list[str], timeout: float, first_token: bool) -> tuple[float, float, str]:
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     start = time.perf_counter()
@@ -149,13 +151,15 @@ def _serve_times(serve_args: list[str], timeout: float, first_token: bool) -> tu
     try:
         health = _wait_for_health(proc, port, start, timeout, log)
         if not first_token:
-            return health, health
+            return health, health, ""
         body = json.dumps({"model": "m", "prompt": list(range(100, 116)), "max_tokens": 1}).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=timeout) as response:
             response.read()
-        return health, time.perf_counter() - start
+        first = time.perf_counter() - start
+        log.seek(0)
+        return health, first, log.read()
     finally:
         proc.terminate()
         try:
