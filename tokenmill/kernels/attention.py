@@ -36,6 +36,7 @@ PREFILL_SPLIT_KEYS = 16384
 PREFILL_MAX_SPLITS = 8
 PREFILL_PARTIAL_BYTES = 256 << 20
 PREFILL_SPLIT_GAIN = 0.9
+DEEP_CHUNK_ROWS = 64  # a prompt chunk; verify steps (1 + drafts rows) keep the decode rule
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ def plan_attention(
         wanted = -(-waves * sm_count(device) // programs)
         by_length = 1 if on_gpu and max_seq_len <= SHORT_DECODE_KEYS else -(-max_seq_len // min_split_tokens)
         num_splits = max(1, min(wanted, by_length, max_splits))
-        if block_q > 1 and num_splits == 1:
+        if max_query_len >= DEEP_CHUNK_ROWS and num_splits == 1:
             num_splits = deep_prefill_splits(programs, sm_count(device), max_seq_len, num_tokens * num_heads * head_dim * 4)
     min_split_tiles = max(1, min_split_tokens // block_n)
     return AttentionPlan(block_q, block_m, block_n, num_splits, min_split_tiles, num_warps, num_stages, num_tiles)
