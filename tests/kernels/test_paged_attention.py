@@ -230,11 +230,12 @@ def test_h200_plans_split_batch_one_past_256_keys_into_single_tiles(monkeypatch:
 @pytest.mark.skipif(not INTERPRETING, reason="interpreter off")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8])
 def test_deep_prompt_chunk_split_by_the_rule_matches_reference(monkeypatch: pytest.MonkeyPatch, dtype) -> None:
-    """The deep-chunk split chosen by the plan (keys per split lowered to reach it at a tiny depth;
+    """The deep-chunk split chosen by the plan (keys per split and chunk rows lowered to reach it at a tiny depth;
     14 programs on the interpreter's 4 stand-in multiprocessors: 2 splits even out the last round)."""
     from tokenmill.kernels import attention
 
     monkeypatch.setattr(attention, "PREFILL_SPLIT_KEYS", 32)
+    monkeypatch.setattr(attention, "DEEP_CHUNK_ROWS", 16)
     requests = [(48, 240)]
     kv = dtype if dtype == FP8 else None
     backend = check_attention(requests, 8, 2, 64, torch.bfloat16, "cpu", kv_dtype=kv, scales=(0.5, 0.25) if kv else (1.0, 1.0))
