@@ -287,6 +287,27 @@ def sweep_short(bench: Bench) -> None:
                 row["ratio"] = row["GB/s"] / bench.copy_gbs
 
 
+DEEP_CHUNKS = ((770, 260_000), (512, 260_000), (1700, 100_000), (2048, 100_000), (2048, 32768), (8192, 32768))
+
+
+def sweep_deep_prefill(bench: Bench) -> None:
+    """Prompt chunks at depth (the chunk sizes the scheduler's step-cost rule picks for the 8B shape,
+    and pp2048's): the default plan (its split rule for a deep chunk whose grid fills the machine)
+    against forced split counts along the keys."""
+    s = bench.s
+    chunks = DEEP_CHUNKS if s.device == "cuda" else ((24, 40),)
+    for kv_dtype, kv_name in KV_DTYPES:
+        for chunk, depth in chunks:
+            qlens, slens = [chunk], [chunk + depth]
+            inputs = bench.inputs(qlens, slens)
+            for splits in (None, 1, 2, 3, 4, 6, 8):
+                plan = bench.plan(qlens, slens, fp8_kv=kv_dtype == FP8, **({} if splits is None else {"num_splits": splits}))
+                row = record("sweep deep prefill", f"{kv_name} {chunk} @ d{depth}", bench.attention(kv_dtype, qlens, slens,
+                             plan, inputs), flops=bench.flops(qlens, slens),
+                             plan=label(plan) + (" (default)" if splits is None else ""))
+                row["ratio"] = row["TFLOP/s"] / bench.matmul_tflops
+
+
 def label(plan: AttentionPlan) -> str:
     return f"m{plan.block_m} n{plan.block_n} w{plan.num_warps} s{plan.num_stages} x{plan.num_splits}"
 
@@ -309,6 +330,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (run with TRITON_INTERPRET=1)")
     parser.add_argument("--json", help="write every row here")
     parser.add_argument("--short-sweep", action="store_true", help="only the batch-1 short-context decode sweep")
+    parser.add_argument("--deep-prefill-sweep", action="store_true",
+                        help="only prompt chunks at 32k-260k depth: the default plan against forced key splits")
     args = parser.parse_args()
     began = time.perf_counter()
     torch.manual_seed(0)
@@ -319,6 +342,8 @@ def main() -> None:
     bench.ceilings()
     if args.short_sweep:
         sweep_short(bench)
+    elif args.deep_prefill_sweep:
+        sweep_deep_prefill(bench)
     else:
         for stage in (bench.decode, bench.prefill, bench.kv_write, lambda: bench.fused(args.compile_peers)):
             stage()

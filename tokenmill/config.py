@@ -95,7 +95,20 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     """Most requests in one step."""
     max_num_batched_tokens: int = 8192
-    """Token budget of one step (prefill chunks + decodes)."""
+    """Budget of a step in which a request decodes: tokens (prefill chunks + decodes), and as much
+    cost (prefill_attention_depth). It bounds the inter-token latency of running streams."""
+    long_prefill_batched_tokens: int | None = None
+    """Budget of a step in which no request decodes (prompt chunks only, no inter-token latency to
+    bound): a long prompt alone takes fewer, larger steps. None = max_num_batched_tokens. The
+    memory profile runs the larger of the two."""
+    prefill_attention_depth: int | None = None
+    """The step-cost rule: a chunk of n prompt tokens whose keys start at depth d counts
+    n * (1 + (d + n / 2) / D) against the step's budget, a decode at depth d 1 + d / D, with D this
+    depth, at which one prompt token's attention costs about what its linear layers do. Chunks
+    shrink as their attention grows, so a step beside running decodes takes about as long at a
+    260k depth as at 0 (decodes are never cut; a chunk gets at least one block's tokens). None =
+    from the model's shape (linear FLOPs per token / attention FLOPs per key, tokenmill/models/
+    step_cost.py: 26.6k for Llama-3.1-8B); 0 = count tokens only."""
     policy: str = "fcfs"
     """Waiting-queue order: fcfs, or priority (lower value first, then arrival)."""
     async_scheduling: bool | None = None
@@ -244,6 +257,13 @@ class EngineConfig:
     steering: SteeringConfig = field(default_factory=SteeringConfig)
     enforce_eager: bool = False
     """Run eagerly (no CUDA graphs). The reference path is always eager."""
+    cuda_graph_capture: str = "eager"
+    """When decode (and verify) CUDA graphs are captured: eager = all at start-up; lazy = each the
+    first time a step needs it (start-up captures none; that step waits for the capture, logged
+    with its cost: about two forwards' launches, a stall every running stream sees once per
+    graph). Either way a graph is captured for the batch buckets up to --max-num-seqs and the
+    context buckets up to --max-model-len, and context buckets whose launch plans equal a larger
+    one's share its graph."""
     benchmark_only: BenchmarkOnlyConfig = field(default_factory=BenchmarkOnlyConfig)
     """Not a serving option: see BenchmarkOnlyConfig."""
 
@@ -312,8 +332,14 @@ class EngineConfig:
             raise ConfigError(f"unknown --load-format {self.model.load_format!r}; use auto or dummy")
         if sched.policy not in ("fcfs", "priority"):
             raise ConfigError(f"unknown --scheduling-policy {sched.policy!r}; use fcfs or priority")
+        if self.cuda_graph_capture not in ("eager", "lazy"):
+            raise ConfigError(f"unknown --cuda-graph-capture {self.cuda_graph_capture!r}; use eager or lazy")
         if sched.max_num_seqs < 1 or sched.max_num_batched_tokens < 1:
             raise ConfigError("--max-num-seqs and --max-num-batched-tokens must be positive")
+        if sched.long_prefill_batched_tokens is not None and sched.long_prefill_batched_tokens < 1:
+            raise ConfigError("--long-prefill-batched-tokens must be positive (leave it out for --max-num-batched-tokens)")
+        if sched.prefill_attention_depth is not None and sched.prefill_attention_depth < 0:
+            raise ConfigError("--prefill-attention-depth must not be negative (0 = count tokens only)")
 
         async_scheduling = sched.async_scheduling
         speculating = self.speculative.method is not None
@@ -330,8 +356,13 @@ class EngineConfig:
             enforce_eager=self.enforce_eager or not device.startswith("cuda"),
         )
 
-    def with_num_blocks(self, num_blocks: int) -> EngineConfig:
-        return replace(self, cache=replace(self.cache, num_blocks=num_blocks))
+    def with_num_blocks(self, num_blocks: int, prefill_attention_depth: int | None = None) -> EngineConfig:
+        """With what start-up resolves from the built model: the cache's blocks, and the step-cost
+        depth where it was left to the model."""
+        scheduler = self.scheduler
+        if scheduler.prefill_attention_depth is None and prefill_attention_depth is not None:
+            scheduler = replace(scheduler, prefill_attention_depth=prefill_attention_depth)
+        return replace(self, cache=replace(self.cache, num_blocks=num_blocks), scheduler=scheduler)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -347,6 +378,7 @@ class EngineConfig:
             speculative=SpeculativeConfig.from_json(getattr(args, "speculative_config", None)),
             steering=section(SteeringConfig),
             enforce_eager=args.enforce_eager,
+            cuda_graph_capture=args.cuda_graph_capture,
         )
 
 
@@ -416,7 +448,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s = parser.add_argument_group("scheduler")
     s.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step")
     s.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                   help="token budget of one step; long prompts are prefilled in chunks of it")
+                   help="budget of a step in which a request decodes (bounds inter-token latency): tokens, and as much "
+                        "cost (see --prefill-attention-depth); long prompts are prefilled in chunks of it")
+    s.add_argument("--long-prefill-batched-tokens", type=int, default=None,
+                   help="budget of a step in which no request decodes (prompt chunks only): fewer, larger steps for a "
+                        "long prompt alone (default: --max-num-batched-tokens)")
+    s.add_argument("--prefill-attention-depth", type=int, default=None,
+                   help="step cost: a chunk of n prompt tokens at depth d counts n * (1 + (d + n/2) / D) against the step "
+                        "budget, so chunks shrink as attention grows (default: D from the model's shape, where a token's "
+                        "attention costs what its linear layers do; 0 = count tokens only)")
     s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="fcfs, or priority: lower request priority value first, then arrival")
     s.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -442,3 +482,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=AUTO, help="cuda, cpu or auto")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per model (1 only, for now)")
     p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    p.add_argument("--cuda-graph-capture", default="eager", choices=["eager", "lazy"],
+                   help="eager = capture the decode CUDA graphs at start-up; lazy = each on first use (faster start-up, "
+                        "a one-off stall per graph, logged)")

@@ -126,7 +126,7 @@ def _apply_overrides(config: EngineConfig, overrides: dict[str, Any]) -> EngineC
     sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
                 "steering": SteeringConfig}
     for key, value in overrides.items():
-        if key in ("enforce_eager", "benchmark_only"):
+        if key in ("enforce_eager", "cuda_graph_capture", "benchmark_only"):
             config = replace(config, **{key: value})
             continue
         if key == "speculative_config":  # None: no speculation, as in vLLM

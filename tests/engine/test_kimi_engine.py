@@ -46,11 +46,11 @@ def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def test_batched_chunked_preempted_greedy_equals_transformers(model) -> None:
-    """Six prompts in steps of 16 tokens, three sequences at most, 27 blocks of 8 tokens for all:
-    prefills split across steps, requests preempted and recomputed from scratch."""
+    """Six prompts in steps of 16 tokens, three sequences at most, 25 blocks of 8 tokens for all (the
+    200 of max_model_len): prefills split across steps, requests preempted and recomputed from scratch."""
     path, expected = model
-    llm = hybrid_llm(path, max_num_batched_tokens=16, max_model_len=200, **pressed_budget(path, 27, 3))
-    assert llm.engine.kv.num_blocks == 27
+    llm = hybrid_llm(path, max_num_batched_tokens=16, max_model_len=200, **pressed_budget(path, 25, 3))
+    assert llm.engine.kv.num_blocks == 25
     assert greedy(llm, PROMPTS) == expected
     engine = llm.engine
     assert engine.scheduler.num_preemptions > 0
@@ -97,7 +97,7 @@ def test_every_acceptance_length_restores_the_state_exactly(model) -> None:
     path, expected = model
     llm = hybrid_llm(path, max_num_batched_tokens=16, max_model_len=200,
                      speculative_config={"method": "ngram", "num_speculative_tokens": GAMMA},
-                     **pressed_budget(path, 30, 3, slots_per_seq=1 + GAMMA))
+                     **pressed_budget(path, 25, 3, slots_per_seq=1 + GAMMA))
     engine = llm.engine
     assert engine.kv.state.num_spares == GAMMA
     engine.proposer = SpoilingProposer({tuple(p): a for p, a in zip(PROMPTS, expected)}, VOCAB)

@@ -227,6 +227,44 @@ def test_h200_plans_split_batch_one_past_256_keys_into_single_tiles(monkeypatch:
     assert plan(16, 1, 2048).num_splits == 5  # 16 x 8 programs: four waves need five splits
 
 
+@pytest.mark.skipif(not INTERPRETING, reason="interpreter off")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8])
+def test_deep_prompt_chunk_split_by_the_rule_matches_reference(monkeypatch: pytest.MonkeyPatch, dtype) -> None:
+    """The deep-chunk split chosen by the plan (keys per split and chunk rows lowered to reach it at a tiny depth;
+    14 programs on the interpreter's 4 stand-in multiprocessors: 2 splits even out the last round)."""
+    from tokenmill.kernels import attention
+
+    monkeypatch.setattr(attention, "PREFILL_SPLIT_KEYS", 32)
+    monkeypatch.setattr(attention, "DEEP_CHUNK_ROWS", 16)
+    requests = [(48, 240)]
+    kv = dtype if dtype == FP8 else None
+    backend = check_attention(requests, 8, 2, 64, torch.bfloat16, "cpu", kv_dtype=kv, scales=(0.5, 0.25) if kv else (1.0, 1.0))
+    md = paged_batch(requests, 16, "cpu").metadata
+    plan = backend.plan(md, 48, 8, 2, 64, torch.device("cpu"), fp8_kv=kv is not None)
+    assert (plan.block_q, plan.num_tiles * 2, plan.num_splits) == (8, 14, 2)
+
+
+def test_h200_plans_split_deep_prompt_chunks_to_even_out_their_last_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt chunk at depth whose grid fills the machine: split along the keys where that evens
+    out the last round of programs (each streams the same long key range), never at shallow depth."""
+    from tokenmill.kernels import attention
+
+    monkeypatch.setattr(attention, "interpreting", lambda: False)
+    monkeypatch.setattr(attention, "sm_count", lambda device: 132)
+
+    def splits(chunk: int, depth: int) -> tuple[int, int]:
+        plan = plan_attention(num_tokens=chunk, num_requests=1, max_query_len=chunk, max_seq_len=depth + chunk,
+                              num_heads=32, num_kv_heads=8, head_dim=128, device=torch.device("cuda"), fp8_kv=True)
+        return plan.num_tiles * 8, plan.num_splits
+
+    assert splits(770, 260_000) == (200, 7)  # 2 rounds unsplit, 11 / 7 = 1.57 split
+    assert splits(1700, 100_000) == (432, 3)  # 4 rounds against 10 / 3
+    assert splits(2048, 100_000) == (520, 1)  # 3.94 of 4 rounds busy: not worth a merge
+    assert splits(8192, 0) == (2056, 1) and splits(8192, 8192) == (2056, 1)  # shallow: never
+    assert attention.deep_prefill_splits(200, 132, 20_000, 1) == 1  # too few keys to split
+    assert attention.deep_prefill_splits(200, 132, 260_000, 80 << 20) == 3  # 3 x 80 MiB of partials: the cap
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRETING or not torch.cuda.is_available(), reason="needs CUDA")
 def test_forward_does_not_synchronise() -> None:

@@ -74,10 +74,10 @@ def test_greedy_output_equals_the_whole_sequence_oracle(toy_dir: Path, budget: i
     llm = LLM(str(toy_dir), device="cpu", dtype="float32", kv_cache_bytes=kv_bytes, max_num_batched_tokens=budget,
               max_num_seqs=max_num_seqs, max_model_len=80)
     oracle = llm.engine.runner.model
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)  # answers long enough to preempt
     outs = llm.generate(prompts(), params)
     for prompt, out in zip(prompts(), outs):
-        assert out.outputs[0].token_ids == reference_greedy(oracle, prompt, 12)
+        assert out.outputs[0].token_ids == reference_greedy(oracle, prompt, 16)
     engine = llm.engine
     if max_num_seqs == 3:
         assert engine.scheduler.num_preemptions > 0

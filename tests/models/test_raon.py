@@ -100,8 +100,8 @@ def test_greedy_under_chunking_batching_preemption_and_speculation_equals_the_wh
     expected = [whole_sequence_greedy(oracle, p, PARAMS.max_tokens) for p in prompts]
     assert len({tuple(e) for e in expected}) > 1
     plan = hybrid_llm(raon_dir).engine.runner.cache_plan
-    pressed = hybrid_llm(raon_dir, max_num_batched_tokens=16, max_num_seqs=3, max_model_len=200,
-                         kv_cache_bytes=8 * plan.bytes_per_state_slot + 25 * plan.bytes_per_block,
+    pressed = hybrid_llm(raon_dir, max_num_batched_tokens=16, max_num_seqs=3, max_model_len=176,
+                         kv_cache_bytes=8 * plan.bytes_per_state_slot + 22 * plan.bytes_per_block,
                          mamba_snapshot_bytes=4 * plan.bytes_per_state_slot)
     assert [o.outputs[0].token_ids for o in pressed.generate(prompts, PARAMS)] == expected
     assert pressed.engine.scheduler.num_preemptions > 0

@@ -45,7 +45,7 @@ def test_every_acceptance_length_restores_the_state_exactly(target: Path, prompt
                                                             reference: list[list[int]]) -> None:
     """Batched, chunked and preempted (three sequences, a small cache): the answer of plain
     decoding, with tau = 0..gamma each accepted, and every state slot back at the end."""
-    llm = hybrid_llm(target, max_num_batched_tokens=16, max_num_seqs=3, kv_cache_bytes=13 * 5376 + 4 * 5376 + 18 * 2048,
+    llm = hybrid_llm(target, max_num_batched_tokens=16, max_num_seqs=3, kv_cache_bytes=13 * 5376 + 4 * 5376 + 15 * 2048,
                      mamba_snapshot_bytes=4 * 5376, max_model_len=120,
                      speculative_config={"method": "ngram", "num_speculative_tokens": GAMMA})
     engine = llm.engine

@@ -28,7 +28,7 @@ from tokenmill import SamplingParams
 from tokenmill.speculative.draft_sampling import DraftSampler
 
 GAMMA = 3
-PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 class Reference:
@@ -152,7 +152,7 @@ def test_every_proposal_gives_the_references_logits(name: str, tmp_path: Path, m
         proposals.append(([list(r.all_token_ids) for r in requests], steps, [r.drafts.device_ids.tolist() for r in requests]))
 
     monkeypatch.setattr(DraftSampler, "draft", recorded)
-    llm = engine(tmp_path, {"method": "mtp", "num_speculative_tokens": GAMMA}, num_blocks=13)
+    llm = engine(tmp_path, {"method": "mtp", "num_speculative_tokens": GAMMA}, num_blocks=12)
     llm.generate(workload(vocab_of(name)), PARAMS)
     stats = llm.engine.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0

@@ -21,11 +21,11 @@ from tokenmill.engine.engine import EngineStats
 from tokenmill.errors import ConfigError
 from tokenmill.runner.cuda_graphs import StepGraphs
 
-PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 def run(path: Path, prompts: list[list[int]], spec: dict | None, **overrides: object) -> tuple[list[list[int]], EngineStats]:
-    llm = engine(path, spec, num_blocks=13, **overrides)
+    llm = engine(path, spec, num_blocks=12, **overrides)
     outputs = llm.generate(prompts, PARAMS)
     stats = llm.engine.stats()
     assert stats.kv_blocks_used == 0

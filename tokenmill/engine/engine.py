@@ -20,6 +20,7 @@ from tokenmill.errors import ConfigError, InvalidRequestError
 from tokenmill.kv.coordinator import KVCacheCoordinator
 from tokenmill.models.loader import load_hf_config, load_tokenizer, resolve_model
 from tokenmill.models.steering_file import SteeringFile
+from tokenmill.models.step_cost import prefill_attention_depth
 from tokenmill.outputs import CompletionOutput, RequestOutput, SpecUsage, TokenLogprobs
 from tokenmill.runner.model_runner import ModelRunner, StepOutput
 from tokenmill.sampling_params import SamplingParams
@@ -77,10 +78,10 @@ class LLMEngine:
         drafter = build_drafter(config, self.source)
         companion_cache_layers, head = runner_companions(drafter)
         self.runner = ModelRunner(config, hf_config, self.source, companion_cache_layers, head, steering)
-        self.config = config.with_num_blocks(self.runner.num_blocks)
+        self.config = config.with_num_blocks(self.runner.num_blocks, prefill_attention_depth(self.runner.model))
         self.kv = KVCacheCoordinator(self.runner.cache_plan, config.cache.enable_prefix_caching,
                                      config.cache.mamba_state_interval, recompute_last_hit_block=reads_target_hidden(config))
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv)
         self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}

@@ -26,6 +26,17 @@ SHORT_DECODE_KEYS = 256
 # batch 1 a split is a chain of dependent memory round trips, one per tile, so one tile of keys
 # per split beats longer splits there and costs nothing at larger batches (benchmarks/RESULTS.md).
 MIN_SPLIT_KEYS = 64
+# A prompt chunk at depth whose grid already fills the machine is still split along the keys when
+# that evens out its last wave: each program of a deep chunk streams the same long key range, so
+# 200 programs on 132 multiprocessors take two full rounds, and 7 splits of 1,400 programs take
+# 11 / 7 = 1.57. Splits keep at least PREFILL_SPLIT_KEYS keys each, their float32 partial outputs
+# at most PREFILL_PARTIAL_BYTES (inside the memory profile's headroom), and are taken only when
+# the rounds they save are worth a merge pass (PREFILL_SPLIT_GAIN).
+PREFILL_SPLIT_KEYS = 16384
+PREFILL_MAX_SPLITS = 8
+PREFILL_PARTIAL_BYTES = 256 << 20
+PREFILL_SPLIT_GAIN = 0.9
+DEEP_CHUNK_ROWS = 64  # a prompt chunk; verify steps (1 + drafts rows) keep the decode rule
 
 
 @dataclass(frozen=True)
@@ -95,8 +106,22 @@ def plan_attention(
         wanted = -(-waves * sm_count(device) // programs)
         by_length = 1 if on_gpu and max_seq_len <= SHORT_DECODE_KEYS else -(-max_seq_len // min_split_tokens)
         num_splits = max(1, min(wanted, by_length, max_splits))
+        if max_query_len >= DEEP_CHUNK_ROWS and num_splits == 1:
+            num_splits = deep_prefill_splits(programs, sm_count(device), max_seq_len, num_tokens * num_heads * head_dim * 4)
     min_split_tiles = max(1, min_split_tokens // block_n)
     return AttentionPlan(block_q, block_m, block_n, num_splits, min_split_tiles, num_warps, num_stages, num_tiles)
+
+
+def deep_prefill_splits(programs: int, slots: int, max_seq_len: int, partial_bytes_per_split: int) -> int:
+    """Splits along the keys for a prompt chunk whose `programs` already fill `slots` (the
+    multiprocessors): the count that most evens out the last round of programs, among those that
+    keep PREFILL_SPLIT_KEYS keys and PREFILL_PARTIAL_BYTES of partials, if it saves enough."""
+    def rounds(k: int) -> float:  # time in units of one unsplit program's run
+        return -(-k * programs // slots) / k
+
+    limit = min(PREFILL_MAX_SPLITS, max_seq_len // PREFILL_SPLIT_KEYS, PREFILL_PARTIAL_BYTES // partial_bytes_per_split)
+    best = min(range(1, max(1, limit) + 1), key=lambda k: (rounds(k), k))
+    return best if rounds(best) <= PREFILL_SPLIT_GAIN * rounds(1) else 1
 
 
 def paged_attention(

@@ -85,11 +85,12 @@ class KVCacheCoordinator:
             self.counters.paged_hit_tokens += paged_hits * self.block_size
         return hits
 
-    def allocate_slots(self, request: CachedRequest, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+    def allocate_slots(self, request: CachedRequest, num_new_tokens: int, cached_blocks: Sequence[int] = (),
+                       reserve: int = 0) -> bool:
         """Give the request room for `num_new_tokens` past its computed (and cached) tokens, and
-        state slots (resumed from the snapshot of its cached prefix). Returns False, changing
-        nothing, when a manager cannot supply it."""
-        if not self.paged.can_allocate(request, num_new_tokens, cached_blocks):
+        state slots (resumed from the snapshot of its cached prefix), leaving `reserve` blocks free.
+        Returns False, changing nothing, when a manager cannot supply it."""
+        if not self.paged.can_allocate(request, num_new_tokens, cached_blocks, reserve):
             return False
         if self.state is not None and not self.state.can_allocate(request):
             return False

@@ -68,9 +68,12 @@ class PagedCacheManager:
             hits.append(block)
         return hits[:-1] if self.recompute_last_hit_block else hits
 
-    def can_allocate(self, request: CachedRequest, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+    def can_allocate(self, request: CachedRequest, num_new_tokens: int, cached_blocks: Sequence[int] = (),
+                     reserve: int = 0) -> bool:
+        """Whether the new blocks fit in the free ones (cached blocks revived from the free queue
+        count as taken) with `reserve` blocks left over."""
         table = self.block_tables.get(request.request_id, [])
-        return self._num_new_blocks(request, table, num_new_tokens, cached_blocks) <= self.pool.num_free - sum(
+        return self._num_new_blocks(request, table, num_new_tokens, cached_blocks) + reserve <= self.pool.num_free - sum(
             1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
 
     def allocate(self, request: CachedRequest, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> None:

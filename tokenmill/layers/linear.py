@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from tokenmill.quantization.base import LinearMethod, set_weight_loader
+from tokenmill.quantization.base import LinearMethod, default_uniform_, set_weight_loader
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 from tokenmill.quantization.weight_loading import output_rows_loader
 
@@ -42,7 +42,7 @@ class Linear(nn.Module):
         self.method.create_weights(self, dtype, device)
         if bias:
             bound = 1 / math.sqrt(in_features) if in_features > 0 else 0.0
-            values = torch.empty(self.out_features, dtype=dtype, device=device).uniform_(-bound, bound)
+            values = default_uniform_(torch.empty(self.out_features, dtype=dtype, device=device), bound)
             self.bias = set_weight_loader(nn.Parameter(values, requires_grad=False), output_rows_loader(sizes),
                                           shards=self.shards)
         else:

@@ -33,7 +33,7 @@ from tokenmill.layers.linear import Linear
 from tokenmill.layers.request_windows import RequestWindows
 from tokenmill.layers.step_context import StepContext
 from tokenmill.quantization import QuantizationConfig, Unquantized
-from tokenmill.quantization.base import Shard, set_weight_loader
+from tokenmill.quantization.base import Shard, embedding, set_weight_loader
 from tokenmill.quantization.weight_loading import output_rows_loader
 
 _MASK64 = (1 << 64) - 1
@@ -107,7 +107,7 @@ class NGramEmbedding(nn.Module):
         self.register_buffer("layer_multipliers", torch.tensor(multipliers, dtype=torch.long), persistent=False)
         self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(sizes, dtype=torch.long), persistent=False)
         self.register_buffer("ngram_heads_offsets", torch.tensor(offsets, dtype=torch.long), persistent=False)
-        self.ngram_embedding = nn.Embedding(rows, config.ple_embed_dim // num_heads)
+        self.ngram_embedding = embedding(rows, config.ple_embed_dim // num_heads)
         _load_table_by_row_shards(self.ngram_embedding.weight, config.split_ngram_parts)
 
     def ngram_ids(self, history: torch.Tensor) -> torch.Tensor:

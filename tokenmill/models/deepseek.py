@@ -37,6 +37,7 @@ from tokenmill.layers.step_context import StepContext
 from tokenmill.models.interface import CausalLM, ModelBuild, MTPHead
 from tokenmill.models.llama import dense_mlp
 from tokenmill.models.weights import PackedModules, load_checkpoint
+from tokenmill.quantization.base import embedding
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class DeepseekModel(nn.Module):
     def __init__(self, build: ModelBuild, rope: RopeStyle, make_mlp: MlpFactory) -> None:
         super().__init__()
         config = build.hf_config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(build, rope, i, make_mlp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, build.use_triton)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,32 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _NON_PARAMETER_TENSORS: frozenset[str] = frozenset({"rope_freqs.weight"})
 
 
+_NATIVE_ORDERS = frozenset({None, "I", "=", "<" if sys.byteorder == "little" else ">"})
+
+
+class _Reader(GGUFReader):
+    """gguf's reader over a plain ndarray view of its memory map, with a leaner `_get`: the same
+    fields and tensors (tests/models/test_gguf_reader.py compares them), several times faster to
+    parse. np.memmap runs Python code (`__array_finalize__`) on every slice, and parsing a
+    vocabulary takes hundreds of thousands of slices; tensor data come out as ndarrays too, so
+    dequantizing them skips that cost as well."""
+
+    @property  # type: ignore[override]
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._data = value.view(np.ndarray)
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        count = int(count)
+        arr = self._data[offset : offset + dtype.itemsize * count].view(dtype)[:count]
+        order = self.byte_order if override_order is None else override_order
+        return arr if order in _NATIVE_ORDERS else arr.view(dtype.newbyteorder(order))
+
+
 def hf_param_name(gguf_name: str) -> str | None:
     """The Hugging Face parameter name of a GGUF tensor, or None when it has none. Stacked experts
     name every expert's tensor: `...mlp.experts.{}.gate_proj.weight`, `{}` for the expert index."""
@@ -76,7 +103,7 @@ class GGUFCheckpoint:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            self._reader = GGUFReader(path, "r")
+            self._reader = _Reader(path, "r")
         except Exception as e:  # the reader raises ValueError/struct/IndexError on bad bytes
             raise ModelLoadError(
                 f"{path}: not a readable GGUF file ({type(e).__name__}: {e}). "

@@ -10,7 +10,7 @@ target's own embedding and output head, run by tokenmill.speculative.mtp as a pr
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +19,7 @@ from transformers import PretrainedConfig
 
 from tokenmill.errors import ConfigError
 from tokenmill.kv.specs import CacheLayer, CacheSpec
-from tokenmill.layers.attention import AttentionBackend
+from tokenmill.layers.attention import AttentionBackend, AttentionMetadata
 from tokenmill.layers.steering import ResidualSteering
 from tokenmill.layers.step_context import RequestInputSpec, StepContext
 from tokenmill.quantization import FusedMoEMethod, LinearMethod, QuantizationConfig, Unquantized
@@ -86,6 +86,14 @@ class StepModel(nn.Module, ABC):
         """The config the engine runs a checkpoint with: the config itself, or for a multimodal
         checkpoint served as text only, its text part."""
         return config
+
+    def graph_plan_key(self, metadata: AttentionMetadata) -> Hashable:
+        """What a CUDA graph captured over a uniform step's metadata depends on beyond its shapes:
+        every host-side choice the forward makes from the host lengths (attention launch plans).
+        Two context buckets of a batch bucket with equal keys share one graph. The default, the
+        longest context itself, gives every bucket its own graph: a model overrides it only when
+        the key holds every such choice."""
+        return metadata.max_seq_len
 
     def request_inputs(self) -> dict[str, RequestInputSpec]:
         """Per-request inputs this model reads from StepContext.request_inputs (none by default;

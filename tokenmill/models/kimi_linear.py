@@ -43,6 +43,7 @@ from tokenmill.layers.step_context import StepContext
 from tokenmill.models.interface import CausalLM, ModelBuild
 from tokenmill.models.llama import dense_mlp
 from tokenmill.models.weights import PackedModules, load_checkpoint
+from tokenmill.quantization.base import embedding
 
 LINEAR, FULL = "linear_attention", "full_attention"
 DENSE, SPARSE = "dense", "sparse"
@@ -195,7 +196,7 @@ class KimiLinearForCausalLM(CausalLM):
         super().__init__(build)
         config = build.hf_config
         self.layout = layout = self.layout_of(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self.make_layer(build, layout, i) for i in range(config.num_hidden_layers))
         self.has_recurrent_layers = LINEAR in layout.mixers
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, build.use_triton)

@@ -6,7 +6,7 @@ which load by shard (`PACKED`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 
 from tokenmill.errors import ConfigError
 from tokenmill.kv.specs import FullAttentionSpec
-from tokenmill.layers.attention import AttentionBackend
+from tokenmill.layers.attention import AttentionBackend, AttentionMetadata
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.mlp import GatedMLP
 from tokenmill.layers.norm import RMSNorm
@@ -24,6 +24,8 @@ from tokenmill.layers.steering import ResidualSteering, SteeringStep, residual_a
 from tokenmill.layers.step_context import StepContext
 from tokenmill.models.interface import CausalLM, ModelBuild
 from tokenmill.models.weights import PackedModules, load_checkpoint
+from tokenmill.numerics import FP8_E4M3
+from tokenmill.quantization.base import embedding
 from tokenmill.quantization.kv_scales import key_value_scales
 
 # checkpoint projection -> (fused module, shard)
@@ -99,6 +101,14 @@ class Attention(nn.Module):
     def cache_spec(self) -> FullAttentionSpec:
         return FullAttentionSpec(self.block_size, self.kv_dtype, self.num_kv_heads, self.head_dim)
 
+    def launch_plan(self, metadata: AttentionMetadata) -> Hashable | None:
+        """The attention launch plan of a step (None: the backend plans nothing on the host)."""
+        plan = getattr(self.backend, "plan", None)
+        if plan is None:
+            return None
+        return plan(metadata, sum(metadata.query_lens_host), self.num_heads, self.num_kv_heads, self.head_dim,
+                    self.kv_cache.device, self.kv_dtype == FP8_E4M3)
+
     def bind_cache(self, cache: torch.Tensor) -> None:
         self.kv_cache = cache
 
@@ -157,7 +167,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         config = build.hf_config
         rotary = RotaryEmbedding(config, head_dim_of(config), build.max_model_len, build.use_triton)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         prefixes = [f"model.layers.{i}" for i in range(config.num_hidden_layers)]
         self.layers = nn.ModuleList(
             DecoderLayer(build, rotary, variant, prefix, make_mlp(build, i, f"{prefix}.mlp")) for i, prefix in enumerate(prefixes)
@@ -194,6 +204,14 @@ class LlamaForCausalLM(CausalLM):
 
     def variant_of(self, config: PretrainedConfig) -> Variant:
         return self.variant
+
+    def graph_plan_key(self, metadata: AttentionMetadata) -> Hashable:
+        """The attention layers' launch plans: the only choices this family's forward makes from the
+        host lengths (its MLPs and MoE blocks see shapes alone)."""
+        plans = [layer.self_attn.launch_plan(metadata) for layer in self.model.layers]
+        if any(plan is None for plan in plans):
+            return metadata.max_seq_len
+        return tuple(dict.fromkeys(plans))
 
     def make_mlp(self, build: ModelBuild, layer: int, prefix: str) -> nn.Module:
         return dense_mlp(build, prefix)

@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -233,16 +234,41 @@ def safetensors_files(path: Path) -> list[Path]:
 
 def load_tokenizer(source: CheckpointSource) -> PreTrainedTokenizerBase | None:
     """The checkpoint's tokenizer (with its chat template), or None when it ships none."""
+    loader = AutoTokenizer
     if source.gguf_file is not None:
         if not open_gguf(source.gguf_file).has("tokenizer.ggml.tokens"):
             return None
         kwargs: dict[str, str] = {"gguf_file": source.gguf_file.name}
+        loader = _gguf_tokenizer_class(source) or AutoTokenizer
     elif any((source.path / f).is_file() for f in _TOKENIZER_FILES):
         kwargs = {}
     else:
         return None
     try:
-        return AutoTokenizer.from_pretrained(str(source.path), local_files_only=True, **kwargs)
+        return loader.from_pretrained(str(source.path), local_files_only=True, **kwargs)
     except Exception as e:
         where = source.gguf_file or source.path
         raise ModelLoadError(f"{where}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
+
+
+# GGUF model types whose tokenizer class AutoTokenizer picks from the config class alone.
+_GGUF_TOKENIZER_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"})
+
+
+def _gguf_tokenizer_class(source: CheckpointSource) -> Any:
+    """The tokenizer class AutoTokenizer would pick for a GGUF, found without its legacy parse of
+    the whole file for a config (seconds for a vocabulary; the class then reads the file's
+    tokenizer fields itself): the class transformers maps the file's config class to, as
+    AutoTokenizer does when no tokenizer_config.json or config names one. None where more decides
+    (files beside the GGUF, other model types): AutoTokenizer then picks."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    if any((source.path / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    config = load_hf_config(source)
+    if config.model_type not in _GGUF_TOKENIZER_MODEL_TYPES or getattr(config, "tokenizer_class", None):
+        return None
+    cls = TOKENIZER_MAPPING.get(CONFIG_MAPPING[config.model_type], TokenizersBackend)
+    return None if cls is None or cls.__name__ == "MistralCommonBackend" else cls

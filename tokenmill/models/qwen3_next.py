@@ -37,6 +37,7 @@ from tokenmill.models.interface import CausalLM, ModelBuild, MTPHead
 from tokenmill.models.llama import PACKED, Attention, Variant, dense_mlp, head_dim_of
 from tokenmill.models.qwen_moe import is_sparse_layer
 from tokenmill.models.weights import PackedModules, load_checkpoint
+from tokenmill.quantization.base import embedding
 
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 
@@ -121,7 +122,7 @@ class Qwen3NextForCausalLM(CausalLM):
         super().__init__(build)
         config = build.hf_config
         rotary = RotaryEmbedding(config, head_dim_of(config), build.max_model_len, build.use_triton, rotary_dim(config))
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         types = layer_types(config)
         self.layers = nn.ModuleList(
             HybridDecoderLayer(build, rotary, kind, f"model.layers.{i}", self.make_mlp(build, i, f"model.layers.{i}.mlp"),

@@ -41,6 +41,7 @@ from tokenmill.models.interface import CausalLM, ModelBuild, MTPHead
 from tokenmill.models.llama import head_dim_of
 from tokenmill.models.qwen3_next import GatedAttention, Qwen3NextForCausalLM, _TextOfMultimodal, layer_types, rotary_dim
 from tokenmill.models.weights import PackedModules
+from tokenmill.quantization.base import embedding
 
 LINEAR_ATTENTION, INDEXED_ATTENTION = "linear_attention", "indexed_attention"
 NGRAM_SHARD = re.compile(r"\.ngram_embedding\.shard_(\d+)\.weight$")
@@ -112,7 +113,7 @@ class Qwen4ExpForCausalLM(Qwen3NextForCausalLM):
         config = build.hf_config
         self.hc_count = config.hc_count
         rotary = RotaryEmbedding(config, head_dim_of(config), build.max_model_len, build.use_triton, rotary_dim(config))
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         types = layer_types(config)
         ple_ids = list(config.ple_layer_ids or [])
         self.layers = nn.ModuleList(

@@ -13,8 +13,10 @@ stacked experts loads as shard (expert, projection), e.g. (5, "gate"); None is t
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -27,6 +29,33 @@ Shard = int | tuple[int, str] | None
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, Shard], None]
 """(parameter, checkpoint tensor, shard)."""
+
+_DEFAULT_INIT = contextvars.ContextVar("tokenmill_default_init", default=True)
+
+
+@contextlib.contextmanager
+def weights_filled_later() -> Iterator[None]:
+    """Inside it, layers skip their default random initialisation (nn.Linear's uniform, nn.Embedding's
+    normal): for a model whose every parameter is loaded or filled next (`build_model`: the
+    checkpoint loader fails on a parameter left unfilled), it would only cost time (0.7 s for a 135M
+    model on two CPU cores)."""
+    token = _DEFAULT_INIT.set(False)
+    try:
+        yield
+    finally:
+        _DEFAULT_INIT.reset(token)
+
+
+def default_uniform_(tensor: torch.Tensor, bound: float) -> torch.Tensor:
+    """nn.Linear's default initialisation, U(-bound, bound), unless weights are filled later."""
+    return tensor.uniform_(-bound, bound) if _DEFAULT_INIT.get() else tensor
+
+
+def embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
+    """nn.Embedding, N(0, 1)-initialised unless weights are filled later."""
+    if _DEFAULT_INIT.get():
+        return nn.Embedding(num_embeddings, embedding_dim)
+    return nn.Embedding(num_embeddings, embedding_dim, _weight=torch.empty(num_embeddings, embedding_dim))
 
 
 class LinearLayer(Protocol):

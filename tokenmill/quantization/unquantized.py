@@ -13,7 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.quantization.base import FusedMoEMethod, LinearLayer, LinearMethod, QuantizationConfig, set_weight_loader
+from tokenmill.quantization.base import (
+    FusedMoEMethod,
+    LinearLayer,
+    LinearMethod,
+    QuantizationConfig,
+    default_uniform_,
+    set_weight_loader,
+)
 from tokenmill.quantization.unquantized_experts import UnquantizedFusedMoEMethod
 from tokenmill.quantization.weight_loading import output_rows_loader
 
@@ -32,7 +39,7 @@ class UnquantizedLinearMethod(LinearMethod):
     def create_weights(self, layer: LinearLayer, dtype: torch.dtype, device: torch.device | str | None) -> None:
         weight = torch.empty(layer.out_features, layer.in_features, dtype=dtype, device=device)
         bound = 1 / math.sqrt(layer.in_features) if layer.in_features > 0 else 0.0
-        weight.uniform_(-bound, bound)  # nn.Linear's default initialisation
+        default_uniform_(weight, bound)
         layer.weight = set_weight_loader(nn.Parameter(weight, requires_grad=False),
                                          output_rows_loader(layer.output_sizes), shards=layer.shards)
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.quantization.base import ExpertsLayer, FusedMoEMethod, set_weight_loader
+from tokenmill.quantization.base import ExpertsLayer, FusedMoEMethod, default_uniform_, set_weight_loader
 from tokenmill.quantization.weight_loading import stacked_experts_loader, stacked_experts_shards
 
 
@@ -25,8 +25,8 @@ class UnquantizedFusedMoEMethod(FusedMoEMethod):
 
     def create_weights(self, layer: ExpertsLayer, dtype: torch.dtype, device: torch.device | str | None) -> None:
         experts, hidden, inter = layer.num_experts, layer.hidden_size, layer.intermediate_size
-        w13 = torch.empty(experts, 2 * inter, hidden, dtype=dtype, device=device).uniform_(-hidden**-0.5, hidden**-0.5)
-        w2 = torch.empty(experts, hidden, inter, dtype=dtype, device=device).uniform_(-inter**-0.5, inter**-0.5)
+        w13 = default_uniform_(torch.empty(experts, 2 * inter, hidden, dtype=dtype, device=device), hidden**-0.5)
+        w2 = default_uniform_(torch.empty(experts, hidden, inter, dtype=dtype, device=device), inter**-0.5)
         gate_up = stacked_experts_loader(experts, {"gate": (0, inter), "up": (inter, inter)})
         layer.register_parameter("w13", set_weight_loader(nn.Parameter(w13, requires_grad=False), gate_up,
                                                           shards=stacked_experts_shards(experts, ("gate", "up"))))

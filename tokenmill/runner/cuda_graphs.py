@@ -8,6 +8,12 @@ attend to it alone. Attention's launch plan (how many KV splits) depends on the 
 context, so each batch bucket is captured for a few context buckets too: a short context does
 not pay for the splits and merge of the longest one.
 
+Two context buckets of one batch bucket whose launch plans are equal (`CausalLM.graph_plan_key`:
+at larger batches the attention kernels split no more at 128k than at 1k) share one graph, the
+larger bucket's: only graphs that differ are captured. Capture is eager (every graph at
+start-up) or lazy (each graph the first time a step needs it, its cost logged): see
+EngineConfig.cuda_graph_capture.
+
 A step whose requests add different numbers of tokens, every one sampled (drafts of different
 lengths, a request whose max_tokens leaves room for fewer than gamma), replays the verify graph
 too: `StepGraphs.pad` puts each request's missing rows in front of its real ones, where the
@@ -20,7 +26,8 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +47,9 @@ MAX_CAPTURED_TOKENS = 512
 # costs about what a one-token step does, while an eager step pays the host's launches.
 PADDING_FREE_TOKENS = 128
 
+
+PlanKey = Callable[[AttentionMetadata], Hashable]
+"""What a graph captured over a step's metadata depends on beyond its shapes (its host-side launch plans)."""
 
 StepFunction = Callable[[torch.Tensor, StepContext], tuple[torch.Tensor, ...]]
 """(input ids, context) -> the captured outputs, logits first; each output has a row per token or
@@ -90,6 +100,8 @@ class StepGraphs:
         token_inputs: dict[str, TokenInputSpec] | None = None,
         keep_hidden: tuple[int, ...] = (),
         token_outputs: tuple[str, ...] = (),
+        plan_key: PlanKey | None = None,
+        lazy: bool = False,
     ) -> None:
         """scratch_state_slot: the recurrent-state slot padding requests use (None: the model keeps
         no state). request_inputs: the model's per-request inputs, each a static buffer whose
@@ -97,7 +109,9 @@ class StepGraphs:
         model's logits of every row); token_inputs: its per-token inputs, static buffers too;
         keep_hidden: StepContext.keep_hidden of the captured forward (hidden states it records);
         token_outputs: the per-token outputs the forward records (StepContext.outputs), each graph
-        keeping its own, handed to the caller's context on replay."""
+        keeping its own, handed to the caller's context on replay. plan_key: equal keys of two
+        context buckets let them share a graph (None, or a step function of its own: every bucket
+        has its own). lazy: capture() captures nothing; each graph is captured when run() needs it."""
         self.model = model
         self.step_function = step_function or self._logits_of_every_row
         self.keep_hidden = keep_hidden
@@ -133,13 +147,33 @@ class StepGraphs:
         self.token_inputs = {name: torch.zeros((tokens, *spec.shape), dtype=spec.dtype, device=device)
                              for name, spec in self.token_input_specs.items()}
         self.token_outputs = token_outputs
+        # Every (batch, context) bucket -> the one whose graph it replays (itself, or a larger context).
+        self.shared = self._share_contexts(plan_key if step_function is None else None)
+        self.lazy = lazy
+        # Keyed by every bucket, a shared one aliasing its graph's entries once that is captured.
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.recorded: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.capture_seconds: dict[tuple[int, int], tuple[float, float]] = {}  # host (warm-up, capture) per graph
+        self._pool: tuple[int, int] | None = None
 
     @property
     def max_batch(self) -> int:
         return self.buckets[-1]
+
+    @property
+    def distinct_shapes(self) -> list[tuple[int, int]]:
+        """The graphs there are to capture, largest first."""
+        return sorted(set(self.shared.values()), reverse=True)
+
+    def _share_contexts(self, plan_key: PlanKey | None) -> dict[tuple[int, int], tuple[int, int]]:
+        shared = {}
+        for batch in self.buckets:
+            seen: dict[Hashable, int] = {}
+            for context in reversed(self.contexts):  # a larger context's graph serves a smaller one
+                key = context if plan_key is None else plan_key(self.static_context(batch, context).attention)
+                shared[batch, context] = batch, seen.setdefault(key, context)
+        return shared
 
     def fits(self, num_requests: int, query_len: int) -> bool:
         """Whether a uniform step of num_requests requests adding query_len tokens each replays here."""
@@ -194,21 +228,48 @@ class StepGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
+        """Capture every distinct graph now (nothing when lazy)."""
+        if self.lazy:
+            logger.info("%s CUDA graphs: %d distinct of %d buckets, each captured the first time a step needs it",
+                        self.name, len(self.distinct_shapes), len(self.shared))
+            return
+        start = time.perf_counter()
+        self._capture(self.distinct_shapes, progress=True)
+        warm = sum(w for w, _ in self.capture_seconds.values())
+        logger.info("captured %d %s CUDA graphs (%d tokens per request, %d buckets) for batch sizes up to %d in %.1f s "
+                    "(%.1f s launching warm-up forwards)", len(self.distinct_shapes), self.name, self.query_len,
+                    len(self.shared), self.max_batch, time.perf_counter() - start, warm)
+
+    def _capture(self, shapes: list[tuple[int, int]], progress: bool = False) -> None:
+        """Warm up and capture each shape over padding-only static buffers (every row writes the
+        scratch block and slot), then alias the buckets that share it."""
+        self._pad_rows(0)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        torch.cuda.synchronize()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            shapes = [(b, c) for b in reversed(self.buckets) for c in reversed(self.contexts)]
-            for shape in tqdm(shapes, desc=f"capturing {self.name} CUDA graphs", leave=False):
+            for shape in tqdm(shapes, desc=f"capturing {self.name} CUDA graphs", leave=False, disable=not progress):
+                start = time.perf_counter()
                 self._forward(*shape)  # warm-up: autotuning and lazy initialisation outside capture
+                warm = time.perf_counter()  # host time: the warm-up's launches (and any compilation)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                # capture_begin / capture_end directly: torch.cuda.graph would also empty the
+                # allocator's cache before every capture, and the next warm-up allocate it again.
+                graph.capture_begin(self._pool, capture_error_mode="thread_local")
+                try:
                     self.outputs[shape], self.recorded[shape] = self._forward(*shape)
+                finally:
+                    graph.capture_end()
                 self.graphs[shape] = graph
+                self.capture_seconds[shape] = (warm - start, time.perf_counter() - warm)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        logger.info("captured %d %s CUDA graphs (%d tokens per request) for batch sizes up to %d",
-                    len(self.graphs), self.name, self.query_len, self.max_batch)
+        for bucket, graph_shape in self.shared.items():
+            if graph_shape in self.graphs:
+                self.graphs[bucket] = self.graphs[graph_shape]
+                self.outputs[bucket], self.recorded[bucket] = self.outputs[graph_shape], self.recorded[graph_shape]
 
     def run(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Logits [B * query_len, V] of B <= max_batch requests adding query_len tokens each."""
@@ -217,12 +278,25 @@ class StepGraphs:
     def run_outputs(self, input_ids: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, ...]:
         """Every output of the step function, sliced to the step's B requests (views of static
         buffers: valid until the next replay of these graphs)."""
-        bucket, context = self.stage(input_ids, ctx)
-        self.graphs[bucket, context].replay()
+        shape = self.shared[self.bucket(ctx.attention)]
+        if shape not in self.graphs:
+            start = time.perf_counter()
+            self._capture([shape])
+            logger.info("captured the %s CUDA graph of batch <= %d, context <= %d on first use in %.2f s (%d of %d)",
+                        self.name, *shape, time.perf_counter() - start, len(self.capture_seconds),
+                        len(self.distinct_shapes))
+        self.stage(input_ids, ctx)
+        self.graphs[shape].replay()
+        bucket = shape[0]
         batch = ctx.attention.num_requests
         tokens = batch * self.query_len
-        ctx.outputs.update({name: out[:tokens] for name, out in self.recorded[bucket, context].items()})
-        return tuple(out[: batch * (out.shape[0] // bucket)] for out in self.outputs[bucket, context])
+        ctx.outputs.update({name: out[:tokens] for name, out in self.recorded[shape].items()})
+        return tuple(out[: batch * (out.shape[0] // bucket)] for out in self.outputs[shape])
+
+    def bucket(self, metadata: AttentionMetadata) -> tuple[int, int]:
+        """The (batch, context) bucket of a uniform step."""
+        return (self.buckets[bisect.bisect_left(self.buckets, metadata.num_requests)],
+                self.contexts[bisect.bisect_left(self.contexts, metadata.max_seq_len)])
 
     def stage(self, input_ids: torch.Tensor, ctx: StepContext) -> tuple[int, int]:
         """Copy a uniform step into the static buffers, padding requests up to the batch bucket
@@ -230,8 +304,7 @@ class StepGraphs:
         metadata = ctx.attention
         batch = metadata.num_requests
         tokens = batch * self.query_len
-        bucket = self.buckets[bisect.bisect_left(self.buckets, batch)]
-        context = self.contexts[bisect.bisect_left(self.contexts, metadata.max_seq_len)]
+        bucket, context = self.bucket(metadata)
         width = metadata.block_tables.shape[1]
         self.input_ids[:tokens].copy_(input_ids, non_blocking=True)
         self.positions[:tokens].copy_(ctx.positions, non_blocking=True)
@@ -252,18 +325,24 @@ class StepGraphs:
         for name, buffer in self.token_inputs.items():
             buffer[:tokens].copy_(ctx.token_inputs[name], non_blocking=True)
         if batch < bucket:
-            self.slot_mapping[tokens : bucket * self.query_len].fill_(self.scratch_slot)
-            self.seq_lens[batch:bucket].fill_(self.query_len)
-            self.block_tables[batch:bucket].fill_(self.scratch_block)
-            if self.state_slots is not None:
-                self.state_slots[batch:bucket].fill_(self.scratch_state_slot)
-            if self.state_checkpoints is not None:
-                self.state_checkpoints[tokens : bucket * self.query_len].fill_(-1)
-            for name, buffer in self.request_inputs.items():
-                buffer[batch:bucket].fill_(self.request_input_specs[name].pad)
-            for buffer in self.token_inputs.values():
-                buffer[tokens : bucket * self.query_len].zero_()
+            self._pad_rows(batch, bucket)
         return bucket, context
+
+    def _pad_rows(self, first: int, end: int | None = None) -> None:
+        """Make requests first..end (None: every one) padding: scratch block and slot, pad values."""
+        end = self.max_batch if end is None else end
+        q = self.query_len
+        self.slot_mapping[first * q : end * q].fill_(self.scratch_slot)
+        self.seq_lens[first:end].fill_(q)
+        self.block_tables[first:end].fill_(self.scratch_block)
+        if self.state_slots is not None:
+            self.state_slots[first:end].fill_(self.scratch_state_slot)
+        if self.state_checkpoints is not None:
+            self.state_checkpoints[first * q : end * q].fill_(-1)
+        for name, buffer in self.request_inputs.items():
+            buffer[first:end].fill_(self.request_input_specs[name].pad)
+        for buffer in self.token_inputs.values():
+            buffer[first * q : end * q].zero_()
 
     def run_padded(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Logits of the rows of a step that `fits_padded`, in its order."""

@@ -5,9 +5,10 @@ quantization methods finish, evaluation mode. `model_weight_bytes` sizes a model
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
@@ -20,7 +21,7 @@ from tokenmill.models.loader import CheckpointSource, checkpoint_tensor_dtypes, 
 from tokenmill.models.registry import model_class
 from tokenmill.models.weights import modules_by_target
 from tokenmill.numerics import FP8_E4M3, FP8_E4M3_MAX
-from tokenmill.quantization.base import FusedMoEMethod, LinearMethod, QuantizationConfig
+from tokenmill.quantization.base import FusedMoEMethod, LinearMethod, QuantizationConfig, weights_filled_later
 from tokenmill.quantization.checkpoint import CheckpointQuantization
 from tokenmill.quantization.detect import read_quant_spec
 from tokenmill.quantization.dual import DualWeights
@@ -40,11 +41,13 @@ def build_model(
     """dummy_seed: seeded random weights of realistic scale instead of the checkpoint's (benchmarks).
     before_processing: a change to make on the loaded weights before quantization methods process
     them (a draft restricts its head to a draft vocabulary there)."""
-    model = _construct(build, dtype, device)
+    with weights_filled_later():  # every parameter is loaded or filled below
+        model = _construct(build, dtype, device)
     if dummy_seed is not None:
         init_dummy_weights(model, dummy_seed)
     else:
-        model.load_weights(iter_weights(source))
+        with one_cpu_thread():
+            model.load_weights(iter_weights(source))
     if before_processing is not None:
         before_processing(model)
     model.process_weights_after_loading()
@@ -78,6 +81,20 @@ def build_mtp_head(
         before_processing(head)
     head.process_weights_after_loading()
     return head.eval()
+
+
+@contextlib.contextmanager
+def one_cpu_thread() -> Iterator[None]:
+    """torch's CPU ops on one thread: copying a checkpoint in is hundreds of memory-bound copies,
+    each a parallel region whose threads meet at a barrier; on a shared machine a thread waiting
+    for a busy core stalls every copy (2.9 s against 0.8 s for SmolLM2 on two loaded cores).
+    Copies give the same bytes on any number of threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def checkpoint_quantization(

@@ -11,13 +11,14 @@ from transformers import PretrainedConfig
 from tokenmill.config import EngineConfig
 from tokenmill.errors import ConfigError
 from tokenmill.kv.planner import allocate_caches, plan_caches
-from tokenmill.kv.specs import CacheLayer, RecurrentStateSpec
+from tokenmill.kv.specs import CacheLayer, PagedCacheSpec, RecurrentStateSpec
 from tokenmill.kv.state import NO_CHECKPOINT
 from tokenmill.layers.attention import ATTENTION_BACKENDS, AttentionMetadata
 from tokenmill.layers.step_context import StepContext
 from tokenmill.models.interface import CausalLM, ModelBuild, StepModel
 from tokenmill.models.loader import CheckpointSource
 from tokenmill.models.steering_file import SteeringFile, check_model, load_steering_file, model_identity, steering_module
+from tokenmill.models.step_cost import memory_grows_with_depth
 from tokenmill.numerics import KV_CACHE_DTYPES, recurrent_state_dtype
 from tokenmill.runner.batch import Chunk, pack
 from tokenmill.runner.cuda_graphs import MAX_CAPTURED_TOKENS, StepFunction, StepGraphs, TokenInputSpec
@@ -120,7 +121,7 @@ class ModelRunner:
         quantization = with_dual_weights(quantization, config, self.use_triton)
         self.build = ModelBuild(hf_config, self.backend, config.model.max_model_len, self.block_size, self.kv_dtype,
                                 self.use_triton, quantization, state_dtype=state_dtype)
-        check_weights_fit(model_weight_bytes(self.build, self.dtype), config, self.device,
+        check_weights_fit(lambda: model_weight_bytes(self.build, self.dtype), config, self.device,
                           kv_cache_bytes=config.cache.kv_cache_bytes)
         self.model = build_model(self.build, source, dtype=self.dtype, device=self.device,
                                  dummy_seed=config.model.seed if dummy else None)
@@ -191,7 +192,9 @@ class ModelRunner:
                           self.config.model.max_model_len, self.device, query_len, name,
                           scratch_state_slot=plan.scratch_slot if has_state and plan.bytes_per_state_slot else None,
                           request_inputs=model.request_inputs(), step_function=step_function,
-                          token_inputs=token_inputs, keep_hidden=keep_hidden, token_outputs=model.token_outputs())
+                          token_inputs=token_inputs, keep_hidden=keep_hidden, token_outputs=model.token_outputs(),
+                          plan_key=getattr(model, "graph_plan_key", None),
+                          lazy=self.config.cuda_graph_capture == "lazy")
 
     def _logits_and_tap(self, input_ids: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, ...]:
         hidden = self.model(input_ids, ctx)
@@ -202,22 +205,30 @@ class ModelRunner:
         return -(-self.config.model.max_model_len // self.block_size)
 
     @torch.inference_mode()
-    def _profile_step(self) -> None:
-        """The largest step the scheduler may send: a full token budget, logits for every sequence."""
-        tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
-        blocks = -(-tokens // self.block_size)
+    def _profile_step(self) -> int:
+        """The largest step the scheduler may send: a full token budget (the larger of the decode and
+        long-prefill ones), logits for every sequence; its keys at the deepest context where the
+        model's step memory grows with depth. Returns the bytes of the scratch caches it ran over
+        (not activations: the KV budget is computed without them)."""
+        sched = self.config.scheduler
+        max_len = self.config.model.max_model_len
+        tokens = min(max(sched.max_num_batched_tokens, sched.long_prefill_batched_tokens or 0), max_len)
+        context = max_len if memory_grows_with_depth(self.model) else tokens
+        blocks = -(-context // self.block_size)
         target_layers = self.model.cache_layers()
-        allocate_caches(target_layers, blocks, 1, self.device)
+        scratch = sum(t.numel() * t.element_size() for t in allocate_caches(target_layers, blocks, 1, self.device))
+        scratch += sum(layer.cache_spec().bytes_per_block() * blocks for layer in target_layers.values()
+                       if isinstance(layer.cache_spec(), PagedCacheSpec))
         table = torch.arange(blocks, dtype=torch.int32, device=self.device)[None]
         metadata = AttentionMetadata(
             query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([context], dtype=torch.int32, device=self.device),
             block_tables=table,
-            slot_mapping=torch.arange(tokens, device=self.device),
+            slot_mapping=torch.arange(context - tokens, context, device=self.device),
             query_lens_host=[tokens],
-            seq_lens_host=[tokens],
+            seq_lens_host=[context],
         )
-        ctx = StepContext(torch.arange(tokens, device=self.device), metadata,
+        ctx = StepContext(torch.arange(context - tokens, context, device=self.device), metadata,
                           state_slots=torch.zeros(1, dtype=torch.int64, device=self.device))
         hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device), ctx)
         rows = min(self.config.scheduler.max_num_seqs, tokens)
@@ -225,6 +236,7 @@ class ModelRunner:
         self.sampler(logits, SamplingMetadata.build(
             [SamplingRow(_PROFILE_PARAMS, [0], [], None)] * rows, self.vocab_size, self.device))
         allocate_caches(target_layers, 0, 0, self.device)
+        return scratch
 
     def prepare_inputs(self, step: StepInput, previous: StepOutput | None = None) -> BatchInputs:
         """The step's batch tensors; resuming requests' states are copied into their slots first."""

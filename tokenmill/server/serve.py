@@ -124,7 +124,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     add_server_args(parser)
     add_engine_args(parser)
-    parser.set_defaults(handler=run_server, func=run_server)
+    parser.set_defaults(handler=run_server, func=run_server, gc_off_until_ready=True)
     return parser
 
 
@@ -250,6 +250,7 @@ def build_server(args: argparse.Namespace, sock: socket.socket) -> Any:
     )
     gc.collect()
     gc.freeze()  # what start-up built lives as long as the server: full collections skip it
+    gc.enable()  # `tokenmill serve` starts up without it (cli.main, gc_off_until_ready)
     logger.info("serving %s (max_model_len %d) on http://%s:%d/v1", state.model_name,
                 state.max_model_len, args.host, args.port)
     return _server_class()(config, state, args.shutdown_timeout)

@@ -63,7 +63,7 @@ class DraftModel:
         self.build = ModelBuild(self.hf_config, self.backend, config.model.max_model_len, self.block_size, self.kv_dtype,
                                 use_triton, quantization)
         self.vocab_ids = load_draft_vocab(spec.draft_vocab).to(self.device) if spec.draft_vocab else None
-        check_weights_fit(model_weight_bytes(self.build, self.dtype), config, self.device, "the draft model")
+        check_weights_fit(lambda: model_weight_bytes(self.build, self.dtype), config, self.device, "the draft model")
         self.model = build_model(self.build, source, dtype=self.dtype, device=self.device,
                                  dummy_seed=config.model.seed + 1 if dummy else None,
                                  before_processing=self._restrict_head if self.vocab_ids is not None else None)

@@ -44,6 +44,9 @@ class AttentionBackend(ABC):
     # True when `attend` reads a cache whose step was written by someone else (the fused rotary +
     # KV write kernel), so a layer may skip `forward`'s own write.
     attends_prewritten_cache: bool = False
+    # True when attention streams the cache in place: a step's memory does not grow with the depth
+    # of its keys (the memory profile then needs no step at max_model_len).
+    reads_cache_in_place: bool = False
 
     @staticmethod
     def check_supported(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:

@@ -40,6 +40,11 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -
     return k, v
 
 
+# Most attention scores (query rows x keys x heads) one call materialises: a long prompt's queries
+# go in blocks of rows, so an 8k-token prompt takes 128 MiB of scores, not 5 GiB.
+MAX_SCORES = 1 << 25
+
+
 class TorchReferenceBackend(AttentionBackend):
     name = "torch"
 
@@ -47,21 +52,26 @@ class TorchReferenceBackend(AttentionBackend):
                 k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         write_kv(kv_cache, k, v, metadata.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(q)
-        group = q.shape[1] // k.shape[1]
+        num_heads = q.shape[1]
+        group = num_heads // k.shape[1]
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(metadata.query_lens_host, metadata.seq_lens_host)):
             keys, values = gather_kv(kv_cache, metadata.block_tables[i], seq_len)
             keys = (keys.to(q.dtype) * k_scale).repeat_interleave(group, dim=1)
             values = (values.to(q.dtype) * v_scale).repeat_interleave(group, dim=1)
-            # Query j sits at position seq_len - q_len + j and sees keys 0..that position.
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-            out[start : start + q_len] = F.scaled_dot_product_attention(
-                q[start : start + q_len].transpose(0, 1),
-                keys.transpose(0, 1),
-                values.transpose(0, 1),
-                attn_mask=mask,
-                scale=scale,
-            ).transpose(0, 1)
+            rows = max(1, MAX_SCORES // (seq_len * num_heads))
+            for first in range(0, q_len, rows):
+                last = min(q_len, first + rows)
+                end = seq_len - q_len + last  # keys the block's last row sees
+                # Query j sits at position seq_len - q_len + j and sees keys 0..that position.
+                q_pos = torch.arange(seq_len - q_len + first, end, device=q.device)
+                mask = torch.arange(end, device=q.device)[None, :] <= q_pos[:, None]
+                out[start + first : start + last] = F.scaled_dot_product_attention(
+                    q[start + first : start + last].transpose(0, 1),
+                    keys[:end].transpose(0, 1),
+                    values[:end].transpose(0, 1),
+                    attn_mask=mask,
+                    scale=scale,
+                ).transpose(0, 1)
             start += q_len
         return out

@@ -29,6 +29,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     attends_prewritten_cache = True
+    reads_cache_in_place = True
 
     def __init__(self, num_splits: int | None = None, min_split_tokens: int | None = None) -> None:
         """num_splits: force the KV split count of every launch (None: chosen per batch).
