@@ -74,8 +74,8 @@ def decode_rate(llm: LLM, prompt_len: int, new_tokens: int, seed: int = 0) -> fl
     return new_tokens / (many - one)
 
 
-def free(llm: LLM) -> None:
-    del llm
+def free() -> None:
+    """Return the memory of engines whose last reference the caller has dropped."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -141,7 +141,8 @@ def main() -> None:
         plain = LLM(tmp, **common)
         rate = decode_rate(plain, 128, tokens)
         report("decode bs=1 @ 128, no speculation", rate, "tok/s")
-        free(plain)
+        del plain
+        free()
         runs: list[tuple[Path | None, str]] = [(None, "")] if "decode" in parts else []
         if "vocab" in parts:
             ids = random.Random(5).sample(range(config["vocab_size"]), min(DRAFT_VOCAB, config["vocab_size"] // 2))
@@ -154,7 +155,8 @@ def main() -> None:
             report(f"  mean acceptance length (fixed pattern){label}", llm.engine.spec_stats.mean_acceptance_length, "")
             if not args.smoke:
                 step_costs(llm, args.gamma, args.acceptance_length, report, label)
-            free(llm)
+            del llm
+            free()
     table.finish(args.json)
 
 
