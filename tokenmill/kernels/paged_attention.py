@@ -164,6 +164,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, SPLIT: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, F16_DOT: tl.constexpr, LAUNCH_NEXT: tl.constexpr,
+    CAUSAL: tl.constexpr,
 ):
     launch_next(LAUNCH_NEXT)
     # Highest tile ids first: in a causal prefill the last tiles of a request do the most work.
@@ -188,10 +189,14 @@ def _paged_attention_kernel(
     row_ok = (row_tok < BLOCK_Q) & (tok < q_len) & (row_head < GROUP)
     head = kv_head * GROUP + row_head
 
-    kv_end = ctx_start + tl.minimum(q_tile_start + BLOCK_Q, q_len)
+    if CAUSAL:
+        kv_end = ctx_start + tl.minimum(q_tile_start + BLOCK_Q, q_len)
+        # Tiles below this one hold only keys every row of the tile may see.
+        full_tiles = (ctx_start + q_tile_start + 1) // BLOCK_N
+    else:  # every row sees the request's seq_len keys (a block drafter's block)
+        kv_end = seq_len
+        full_tiles = seq_len // BLOCK_N
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    # Tiles below this one hold only keys every row of the tile may see.
-    full_tiles = (ctx_start + q_tile_start + 1) // BLOCK_N
     t_lo = 0
     t_hi = num_tiles
     part = 0  # the partial-output rows of a split launch
@@ -202,7 +207,7 @@ def _paged_attention_kernel(
             tl.store(part_lse_ptr + part, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
             return
 
-    q_pos = ctx_start + tok
+    q_pos = ctx_start + tok if CAUSAL else kv_end - 1 + 0 * tok
     offs_d = tl.arange(0, BLOCK_D)
     q, qk_scale = _load_rows(q_ptr, q_start + tok, head, row_ok, offs_d, stride_qt, stride_qh, qk_scale, HEAD_DIM, F16_DOT)
 
