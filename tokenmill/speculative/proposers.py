@@ -5,17 +5,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from tokenmill.config import EngineConfig, SpeculativeConfig
+from tokenmill.config import BLOCK_DRAFTERS, EngineConfig, SpeculativeConfig
 from tokenmill.kv.coordinator import KVCacheCoordinator
 from tokenmill.kv.specs import CacheLayer
 from tokenmill.models.loader import CheckpointSource
 from tokenmill.runner.model_runner import HeadBuilder, ModelRunner, StepOutput
+from tokenmill.speculative.dflash import DFlashProposer
+from tokenmill.speculative.dflash_draft import DFlashDraft
 from tokenmill.speculative.draft_model import DraftModel, DraftModelProposer
 from tokenmill.speculative.drafts import NO_DRAFTS, DraftingRequest, Drafts
 from tokenmill.speculative.mtp import MTPDraft, MTPProposer
 from tokenmill.speculative.ngram import NgramProposer
 
-Drafter = DraftModel | MTPDraft
+Drafter = DraftModel | MTPDraft | DFlashDraft
 """What a proposer needs built before the target's runner sizes its caches."""
 
 
@@ -53,12 +55,15 @@ class PromptLookupProposer:
 
 
 def build_drafter(config: EngineConfig, source: CheckpointSource) -> Drafter | None:
-    """The draft model (draft_model) or the MTP head's builder (mtp), before the target's runner."""
+    """The draft model (draft_model), or the builder of a head on the target (mtp; dflash and
+    dflash2: a block drafter), before the target's runner."""
     method = config.speculative.method
     if method == "draft_model":
         return DraftModel(config)
     if method == "mtp":
         return MTPDraft(config, source)
+    if method in BLOCK_DRAFTERS:
+        return DFlashDraft(config)
     return None
 
 
@@ -85,4 +90,6 @@ def build_proposer(
     assert drafter is not None, "the engine builds the drafter before the target sizes its cache"
     if isinstance(drafter, MTPDraft):
         return MTPProposer(config, drafter, target, kv)
+    if isinstance(drafter, DFlashDraft):
+        return DFlashProposer(config, drafter, target, kv)
     return DraftModelProposer(config, drafter, target, kv)
