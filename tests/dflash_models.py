@@ -54,6 +54,7 @@ class Drafter:
 MARK = 0  # the embedding's marker channel (every token but the mask token)
 # How hard a target's head leans towards the token it reads (runs of repeats, broken often enough).
 REPEAT = {"qwen3_next": 8.0}
+EMBEDDING_SCALE = {"qwen3_next": 2.0}
 
 
 def save_target(name: str, path: Path, seed: int = 0, repeat: bool = True) -> nn.Module:
@@ -69,6 +70,7 @@ def save_target(name: str, path: Path, seed: int = 0, repeat: bool = True) -> nn
                 p.copy_(torch.randn(p.shape, generator=gen) * (0.1 if p.dim() == 1 else 0.15) + (p.dim() == 1))
         if repeat:
             embedding = model.get_input_embeddings().weight
+            embedding *= EMBEDDING_SCALE.get(name, 1.0)  # the token read dominates the final residual
             embedding[:, MARK] = 0.2
             embedding[config.vocab_size - 1, MARK] = 0.0  # the drafters' mask token
             unmarked = embedding.clone()
