@@ -168,7 +168,7 @@ class DFlashProposer:
         metadata = AttentionMetadata(
             query_start_loc=torch.arange(0, batch * self.width + 1, self.width, dtype=torch.int32, device=self.device),
             seq_lens=seq_lens, block_tables=tables, slot_mapping=slots.view(-1), query_lens_host=[self.width] * batch,
-            seq_lens_host=bound if graphed else seq_lens.tolist(),
+            seq_lens_host=bound if graphed and self.device.type != "cpu" else seq_lens.tolist(),
         )
         ids = torch.cat([anchors[:, None], torch.full((batch, self.gamma), self.spec.mask_token_id, dtype=torch.int64,
                                                       device=self.device)], dim=1).view(-1)
