@@ -157,6 +157,11 @@ class SpeculativeConfig:
     head_quantization: str | None = None
     """fp8 or nvfp4: a block drafter's own copy of the target's output head, quantized at load (the
     target verifies with its own); default: the drafter's `quantization` (none: the head is shared)."""
+    disable_by_batch_size: int | None = None
+    """Speculation is off in a step with more decoding requests than this (they decode plainly;
+    logged as it turns off and on). None: on CUDA, the batch the captured verify graphs hold (past
+    it a verify step of batch x (1 + gamma) rows runs eagerly and costs more than its drafts
+    return); no limit on the CPU."""
     prompt_lookup_min: int = 1
     """Shortest suffix n-gram the ngram proposer matches."""
     prompt_lookup_max: int = 4
@@ -214,6 +219,8 @@ class SpeculativeConfig:
         if self.head_quantization and self.method not in BLOCK_DRAFTERS:
             raise ConfigError(f"head_quantization applies to a block drafter's copy of the output head; the {self.method} "
                               "method has none")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ConfigError(f"disable_by_batch_size must be at least 1, not {self.disable_by_batch_size}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
 

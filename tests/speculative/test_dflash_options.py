@@ -194,3 +194,35 @@ def test_hyper_connection_targets_are_refused() -> None:
     for cls in (Qwen4ExpForCausalLM, RaonForCausalLM):
         with pytest.raises(ConfigError, match="hyper-connection streams"):
             cls.layer_output_entries(object.__new__(cls), [1, 2])
+
+
+def test_speculation_turns_off_past_disable_by_batch_size(made: dict, caplog: pytest.LogCaptureFixture,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """With more decoding requests than the limit a step drafts nothing (they decode plainly),
+    logged as it turns off and on; the output is plain decoding's either way. Without a limit the
+    rule takes the batch the captured verify graphs hold (none on the CPU: no limit)."""
+    import logging
+    from types import SimpleNamespace
+
+    from tokenmill.speculative.proposers import BatchSizeRule
+
+    sizes: list[int] = []
+    propose = DFlashProposer.propose
+
+    def recorded(self, requests, limits):
+        sizes.append(len(requests))
+        propose(self, requests, limits)
+
+    monkeypatch.setattr(DFlashProposer, "propose", recorded)
+    llm = engine(made["target"], spec(made, disable_by_batch_size=2))
+    with caplog.at_level(logging.INFO, logger="tokenmill.speculative.proposers"):
+        out = [o.outputs[0].token_ids for o in llm.generate(made["prompts"], PARAMS)]
+    assert out == made["plain"]
+    assert sizes and max(sizes) == 2 and llm.engine.stats().spec_num_drafts > 0
+    assert "speculation off: 3 decoding requests are more than 2" in caplog.text
+    assert "speculation on again" in caplog.text
+    config = SimpleNamespace(speculative=SimpleNamespace(disable_by_batch_size=None))
+    graphs = [SimpleNamespace(max_batch=64), SimpleNamespace(max_batch=32)]  # decode, verify
+    assert BatchSizeRule.of(config, SimpleNamespace(graphs=graphs)).limit == 32  # type: ignore[arg-type]
+    assert BatchSizeRule.of(config, SimpleNamespace(graphs=[])).limit is None  # type: ignore[arg-type]
+    assert BatchSizeRule(None).allows(10_000)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -16,6 +17,8 @@ from tokenmill.speculative.draft_model import DraftModel, DraftModelProposer
 from tokenmill.speculative.drafts import NO_DRAFTS, DraftingRequest, Drafts
 from tokenmill.speculative.mtp import MTPDraft, MTPProposer
 from tokenmill.speculative.ngram import NgramProposer
+
+logger = logging.getLogger(__name__)
 
 Drafter = DraftModel | MTPDraft | DFlashDraft
 """What a proposer needs built before the target's runner sizes its caches."""
@@ -93,3 +96,31 @@ def build_proposer(
     if isinstance(drafter, DFlashDraft):
         return DFlashProposer(config, drafter, target, kv)
     return DraftModelProposer(config, drafter, target, kv)
+
+
+class BatchSizeRule:
+    """Speculation off in a step with more decoding requests than `limit` (SpeculativeConfig.
+    disable_by_batch_size, or the batch the captured verify graphs hold); logged as it turns off
+    and on again."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.off = False
+
+    @classmethod
+    def of(cls, config: EngineConfig, target: ModelRunner) -> BatchSizeRule:
+        limit = config.speculative.disable_by_batch_size
+        if limit is None and len(target.graphs) > 1:
+            limit = target.graphs[-1].max_batch  # the verify graphs'
+        return cls(limit)
+
+    def allows(self, decoding: int) -> bool:
+        off = self.limit is not None and decoding > self.limit
+        if off != self.off:
+            self.off = off
+            if off:
+                logger.info("speculation off: %d decoding requests are more than %d (disable_by_batch_size, or the batch "
+                            "the verify graphs hold)", decoding, self.limit)
+            else:
+                logger.info("speculation on again: %d decoding requests", decoding)
+        return not off
