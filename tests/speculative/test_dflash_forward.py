@@ -53,10 +53,11 @@ def test_every_proposal_is_the_references_block(name: str, kind: str, tmp_path: 
             torch.testing.assert_close(outputs[0], logits, atol=2e-4, rtol=1e-4)
             assert drafts == logits.argmax(-1).tolist()[: len(drafts)]
         else:
-            unary, ids, projected = outputs
+            unary, ids, projected, walk = outputs
             top = logits.topk(ids.shape[1], dim=-1)
             torch.testing.assert_close(unary, top.values, atol=2e-4, rtol=1e-4)
             assert torch.equal(ids.sort(-1).values, top.indices.sort(-1).values)
             torch.testing.assert_close(projected, hidden @ d.tensors["candidate_selector.hidden_projection.weight"].T,
                                        atol=2e-4, rtol=1e-4)
-            assert drafts == reference_walk(d, hidden, logits, known[-1])[: len(drafts)]
+            path = reference_walk(d, hidden, logits, known[-1])
+            assert drafts == path[: len(drafts)] and walk.view(-1).tolist() == path

@@ -94,6 +94,20 @@ class CandidateSelector(nn.Module):
         context = self.predecessor_codebook[previous].float() * projected
         return unary + torch.einsum("br,bkr->bk", context, self.successor_codebook[ids].float())
 
+    def greedy_walk(self, unary: torch.Tensor, ids: torch.Tensor, projected: torch.Tensor,
+                    anchors: torch.Tensor) -> torch.Tensor:
+        """[B, G] the walk from the anchors [B] taking each position's best candidate given the one
+        taken before ([B, G, k] unary and ids, [B, G, rank] projected): upstream's select at
+        temperature 0. The successor terms are formed once; each step gathers one codebook row."""
+        terms = self.successor_codebook[ids].float() * projected[:, :, None, :]  # [B, G, k, rank]
+        previous, path = anchors, []
+        for step in range(ids.shape[1]):
+            context = self.predecessor_codebook[previous].float()  # [B, rank]
+            scores = unary[:, step] + torch.bmm(terms[:, step], context[:, :, None]).squeeze(-1)
+            previous = ids[:, step].gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1)
+            path.append(previous)
+        return torch.stack(path, dim=1)
+
     def row(self, unary: torch.Tensor, ids: torch.Tensor, projected: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
         """[B, V] the selector's row: the candidates' scores at their ids, -inf elsewhere."""
         full = torch.full((ids.shape[0], self.vocab_size), float("-inf"), dtype=torch.float32, device=ids.device)

@@ -22,7 +22,8 @@ distribution a draft was drawn from, so token-wise and block verification stay e
 Under CUDA graphs the context write replays graphs of the target's step shapes (1 and 1 + gamma
 rows per request, the tapped states a per-token input) and the block forward a graph of 1 + gamma
 rows per request whose outputs are only what drafting reads (DFlash: the logits of rows 1..gamma;
-DFlash2: each position's top-k candidates, their unary scores and the projected hidden state).
+DFlash2: each position's top-k candidates, their unary scores, the projected hidden state, and
+the greedy walk from the anchor, which plain greedy drafting takes as it is).
 Near the end of the context (fewer than gamma + 1 positions left) a request drafts nothing.
 """
 
@@ -85,9 +86,13 @@ class DFlashProposer:
         hidden = self.model(input_ids, ctx)
         rows = hidden.view(-1, self.width, hidden.shape[-1])[:, 1:].reshape(-1, hidden.shape[-1])
         logits = self.model.compute_logits(rows)
-        if self.selector is not None:
-            return self.selector.candidates(logits, rows)
-        return (logits,)
+        if self.selector is None:
+            return (logits,)
+        unary, ids, projected = self.selector.candidates(logits, rows)
+        shape = (-1, self.gamma)
+        walk = self.selector.greedy_walk(unary.view(*shape, unary.shape[-1]), ids.view(*shape, ids.shape[-1]),
+                                         projected.view(*shape, projected.shape[-1]), input_ids.view(-1, self.width)[:, 0])
+        return unary, ids, projected, walk  # the greedy walk: what plain greedy drafting takes
 
     def _run_block(self, ids: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, ...]:
         graphs = self.block_graphs
@@ -211,15 +216,9 @@ class DFlashProposer:
             self.sampler.draft_positions(requests, limits, outputs[0].view(batch, self.gamma, -1))
             return
         selector = self.selector
-        unary, ids, projected = (t.view(batch, self.gamma, -1) for t in outputs)
-        if self.sampler.plain_greedy(requests, limits):  # the walk on the candidates alone
-            previous, tokens = anchors, []
-            for step in range(max(limits)):
-                best = selector.scores(unary[:, step], ids[:, step], projected[:, step], previous).argmax(dim=-1)
-                previous = ids[:, step].gather(1, best[:, None]).squeeze(1)
-                tokens.append(previous)
-            drafted = torch.stack(tokens, dim=1)
-            self.sampler.set_drafts(requests, limits, drafted)
+        unary, ids, projected = (t.view(batch, self.gamma, -1) for t in outputs[:3])
+        if self.sampler.plain_greedy(requests, limits):  # every draft the best candidate: the block step's walk
+            self.sampler.set_drafts(requests, limits, outputs[3].view(batch, self.gamma))
             return
         self.sampler.draft(requests, limits, selector.row(unary[:, 0], ids[:, 0], projected[:, 0], anchors),
                            lambda step, previous: selector.row(unary[:, step], ids[:, step], projected[:, step], previous))
