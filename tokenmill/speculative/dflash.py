@@ -60,6 +60,7 @@ class DFlashProposer:
         self.device = target.device
         self.sampler = DraftSampler(target.vocab_size, config.speculative.draft_sampling == "greedy", draft.vocab_ids)
         self.selector = self.model.candidate_selector
+        self.disable_by_batch_size = config.speculative.disable_by_batch_size
         self._followed: _Followed | None = None
         self.context_graphs: dict[int, StepGraphs] = {}
         self.block_graphs: StepGraphs | None = None
@@ -131,6 +132,8 @@ class DFlashProposer:
         lengths are read back for the eager forward; on a GPU without graphs it is left to propose."""
         if self.block_graphs is None and self.device.type != "cpu":
             return
+        if self.disable_by_batch_size is not None and len(sampled) > self.disable_by_batch_size:
+            return  # the next step speculates only if requests finish first: propose runs their blocks then
         rows = [b for b, r in enumerate(sampled) if self._room_after(r)]
         if not rows or self.block_graphs is not None and not self.block_graphs.fits(len(rows), self.width):
             return

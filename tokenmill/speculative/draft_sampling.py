@@ -73,9 +73,9 @@ class DraftSampler:
     def plain_greedy(self, requests: Sequence[DraftingRequest], limits: Sequence[int]) -> bool:
         """Whether every draft of these requests is its logits' argmax: greedy rows (or greedy
         drafting) with no penalty and no ban at any of their draft positions."""
-        return all((self.greedy or r.params.greedy) and not r.params.uses_penalties
-                   and not any(r.banned_token_ids(extra_outputs=step) for step in range(limit))
-                   for r, limit in zip(requests, limits))
+        # A ban (min_tokens) at a later draft position implies one at the first.
+        return all((self.greedy or r.params.greedy) and not r.params.uses_penalties and not r.banned_token_ids()
+                   for r, limit in zip(requests, limits) if limit > 0)
 
     def draft_positions(self, requests: Sequence[DraftingRequest], limits: Sequence[int], logits: torch.Tensor) -> None:
         """Set each request's drafts from per-position logits [B, G, V'] whose positions do not
