@@ -15,7 +15,6 @@ a draft-to-target vocabulary map) is refused at start-up, naming the field.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,13 +147,6 @@ def refuse_extra_files(path: Path | None) -> None:
     """A separately trained mask embedding (vLLM's `mask_embedding.pt`) is not read: refuse it."""
     if path is not None and (path / "mask_embedding.pt").is_file():
         raise ConfigError(f"{path / 'mask_embedding.pt'}: a separate mask embedding is not implemented")
-
-
-def raw_config(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"{path / 'config.json'}: unreadable drafter config ({error})") from error
 
 
 def _positive(value: Any, name: str) -> int:
