@@ -216,6 +216,7 @@ def reference_block(target: nn.Module, d: Drafter, known: list[int], width: int)
     x = target.get_input_embeddings().weight[ids] * float(section.get("input_embedding_scale", 1.0))
     q_pos, k_pos = torch.arange(n, n + width), torch.arange(n + width)
     taps = section.get("conv_kernel_size")
+    types = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
     for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}"
 
@@ -237,6 +238,15 @@ def reference_block(target: nn.Module, d: Drafter, known: list[int], width: int)
             q, k = _rope(q, q_pos, theta), _rope(k, k_pos, theta)
             k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
             scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(head_dim)
+            sliding = types[i] == "sliding_attention"  # upstream's _attention_mask
+            causal = sliding if cfg.get("is_causal") is None else bool(cfg["is_causal"])
+            visible = torch.ones(width, n + width, dtype=torch.bool)
+            if causal:
+                visible &= k_pos[None] <= q_pos[:, None]
+            if sliding:
+                window = cfg["sliding_window"]
+                visible &= (q_pos[:, None] - k_pos[None] < window) & (causal or (k_pos[None] - q_pos[:, None] < window))
+            scores = scores.masked_fill(~visible, float("-inf"))
             out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(width, -1)
             return out @ t[f"{a}.o_proj.weight"].T
 

@@ -19,14 +19,21 @@ from tokenmill.speculative.dflash import DFlashProposer
 GAMMA = 3
 
 
-@pytest.mark.parametrize("name,kind", [("llama", "dflash"), ("llama", "dflash2"), ("qwen3_next", "dflash"),
-                                       ("qwen3_moe", "dflash2")])
-def test_every_proposal_is_the_references_block(name: str, kind: str, tmp_path: Path,
+WINDOWED = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 9}  # sliding layers causal
+
+
+@pytest.mark.parametrize("name,kind,attention", [
+    ("llama", "dflash", {}), ("llama", "dflash2", {}), ("qwen3_next", "dflash", {}), ("qwen3_moe", "dflash2", {}),
+    ("llama", "dflash", WINDOWED), ("llama", "dflash2", {**WINDOWED, "is_causal": False}),
+    ("qwen3_moe", "dflash", {"layer_types": ["sliding_attention"] * 2, "sliding_window": 12, "is_causal": True}),
+])
+def test_every_proposal_is_the_references_block(name: str, kind: str, attention: dict, tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sliding-window layers too (upstream's masks: causal by default, the window both ways when not)."""
     config = TARGET_CONFIGS[name]
     target = save_target(name, tmp_path / "target", repeat=False)
     d = drafter(config, kind, target_layer_ids=(config.num_hidden_layers - 2, 0), block_size=6,
-                input_embedding_scale=1.25, output_multiplier=0.8, final_logit_softcapping=30.0)
+                input_embedding_scale=1.25, output_multiplier=0.8, final_logit_softcapping=30.0, **attention)
     d.config["dflash_config"].update({k: d.config.pop(k) for k in
                                       ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")})
     seen: list[tuple[list[int], tuple[torch.Tensor, ...], list[int]]] = []

@@ -137,8 +137,11 @@ def _edited(made: dict, tmp_path: Path, kind: str = "dflash", config: dict | Non
 
 @pytest.mark.parametrize("config,section,message", [
     ({}, {"frobnicate": 1}, r"dflash_config sets \['frobnicate'\]"),
-    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16}, {}, "sliding-window"),
-    ({}, {"use_swa": True}, "use_swa"),
+    ({"layer_types": ["chunked_attention", "full_attention"]}, {}, "chunked_attention"),
+    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": None}, {}, "sliding_window"),
+    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4, "is_causal": False}, {},
+     r"sliding_window 4 is narrower than the block \(8\)"),
+    ({"sliding_window": None}, {"use_swa": True}, "swa_window_size"),
     ({}, {"attention_sink_bias": True}, "attention_sink_bias"),
     ({}, {"use_aux_hidden_state": False}, "use_aux_hidden_state"),
     ({}, {"target_layer_ids": [0, 3]}, r"target_layer_ids \[0, 3\]: \[3\]"),

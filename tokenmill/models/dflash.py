@@ -16,7 +16,9 @@ its k_proj / v_proj of it (k_norm, rotary at p). A block [anchor, MASK x (B - 1)
 P..P+B-1, embedded with the target's embedding (x input_embedding_scale), runs the layers with
 attention over the context of positions < P and the whole block, not causal within it (unless
 the config says is_causal); the final norm's rows 1..B-1, through the output head
-(x output_multiplier, softcapped), are the drafts' logits at positions P+1..P+B-1.
+(x output_multiplier, softcapped), are the drafts' logits at positions P+1..P+B-1. A
+sliding_attention layer sees no key more than its window before the row (causal within the
+block by default, as upstream's are).
 
 tokenmill keeps the context's keys and values in the drafter's paged cache (vLLM's layout):
 `write_context` writes a target step's rows at their slots right behind the step; a block
@@ -40,7 +42,7 @@ from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.layers.step_context import StepContext
 from tokenmill.models.dflash2 import CandidateSelector, GroupedDynamicConv, block_rows
-from tokenmill.models.dflash_config import DFlashSpec
+from tokenmill.models.dflash_config import DFlashSpec, LayerAttention
 from tokenmill.models.interface import ModelBuild, StepModel
 from tokenmill.models.llama import head_dim_of
 from tokenmill.models.weights import PackedModules, load_checkpoint
@@ -61,7 +63,7 @@ class DFlashAttention(nn.Module):
     """The block's queries over the paged cache (a cache layer): q from the block rows, keys and
     values of the block rows and, written separately (`write_context`), of the context."""
 
-    def __init__(self, build: ModelBuild, rotary: RotaryEmbedding, prefix: str, causal: bool) -> None:
+    def __init__(self, build: ModelBuild, rotary: RotaryEmbedding, prefix: str, attention: LayerAttention) -> None:
         super().__init__()
         config, quant = build.hf_config, build.quant
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -81,7 +83,7 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, build.use_triton)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, build.use_triton)
         self.rotary = rotary
-        self.causal = causal
+        self.causal, self.window = attention.causal, attention.window
         self.scale = self.head_dim**-0.5
         self.kv_cache = torch.empty(0)  # bound by the runner
         self.k_scale = self.v_scale = 1.0
@@ -113,7 +115,7 @@ class DFlashAttention(nn.Module):
         k, v = self._keys_values(x)
         q, k = self.rotary(ctx.positions, q, k)
         out = self.backend.forward(q, k, v, self.kv_cache, ctx.attention, self.scale, self.k_scale, self.v_scale,
-                                   causal=self.causal)
+                                   causal=self.causal, window=self.window)
         return self.o_proj(out.flatten(1))
 
     def write_context(self, context: torch.Tensor, ctx: StepContext) -> None:
@@ -132,7 +134,7 @@ class DFlashDecoderLayer(nn.Module):
         config, prefix = build.hf_config, f"layers.{index}"
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, build.use_triton)
-        self.self_attn = DFlashAttention(build, rotary, f"{prefix}.self_attn", spec.causal)
+        self.self_attn = DFlashAttention(build, rotary, f"{prefix}.self_attn", spec.layers[index])
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, build.use_triton)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)),
                             build.quant, f"{prefix}.mlp", build.use_triton)

@@ -27,8 +27,10 @@ DFLASH, DFLASH2 = "dflash", "dflash2"
 ARCHITECTURES = {"DFlashDraftModel": DFLASH, "DFlash2DraftModel": DFLASH2}
 KNOWN_DFLASH_KEYS = frozenset({
     "block_size", "target_layer_ids", "mask_token_id", "num_target_layers", "use_aux_hidden_state", "causal",
-    "use_swa", "attention_sink_bias", "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
+    "use_swa", "swa_window_size", "attention_sink_bias", "input_embedding_scale", "output_multiplier",
+    "final_logit_softcapping",
 })
+LAYER_TYPES = ("full_attention", "sliding_attention")
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
@@ -47,13 +49,21 @@ class SelectorShape:
 
 
 @dataclass(frozen=True)
+class LayerAttention:
+    """One drafter layer's attention: causal or not within the block, and a sliding window (0: none)."""
+
+    causal: bool
+    window: int
+
+
+@dataclass(frozen=True)
 class DFlashSpec:
     kind: str  # DFLASH or DFLASH2
     block_size: int
     target_layer_ids: tuple[int, ...]
     mask_token_id: int
     target_hidden_size: int  # width of one tapped target layer (fc reads len(target_layer_ids) of them)
-    causal: bool  # upstream's `is_causal` (default: non-causal full-attention layers)
+    layers: tuple[LayerAttention, ...]  # per drafter layer
     input_embedding_scale: float
     output_multiplier: float
     final_logit_softcapping: float | None
@@ -69,8 +79,10 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tup
     return tuple(round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers))
 
 
-def read_dflash_spec(config: PretrainedConfig, method: str) -> DFlashSpec:
-    """The drafter's spec; ConfigError naming the field for anything tokenmill cannot honour."""
+def read_dflash_spec(config: PretrainedConfig, method: str, raw: dict[str, Any] | None = None) -> DFlashSpec:
+    """The drafter's spec; ConfigError naming the field for anything tokenmill cannot honour.
+    `raw`: config.json as written (transformers' config classes may drop `sliding_window` when
+    `use_sliding_window` is off; the file's values are read first)."""
     architectures = list(getattr(config, "architectures", None) or [])
     kinds = [ARCHITECTURES[a] for a in architectures if a in ARCHITECTURES]
     if not kinds:
@@ -117,19 +129,40 @@ def read_dflash_spec(config: PretrainedConfig, method: str) -> DFlashSpec:
         raise ConfigError(f"dflash_config sets {[k for k in DFLASH2_KEYS if k in section]} of a DFlash2 drafter but the "
                           "architecture is DFlashDraftModel")
     softcap = value("final_logit_softcapping")
-    causal = value("is_causal", None)
-    causal = section.get("causal", causal)
     return DFlashSpec(kind, block, tuple(int(i) for i in ids), mask,
-                      int(getattr(config, "target_hidden_size", None) or config.hidden_size), bool(causal),
+                      int(getattr(config, "target_hidden_size", None) or config.hidden_size),
+                      _layer_attention(config, section, raw or {}, layers, block),
                       float(value("input_embedding_scale", 1.0)), float(value("output_multiplier", 1.0)),
                       float(softcap) if softcap is not None and float(softcap) > 0 else None, conv, selector)
 
 
+def _layer_attention(config: PretrainedConfig, section: dict[str, Any], raw: dict[str, Any], layers: int,
+                     block: int) -> tuple[LayerAttention, ...]:
+    """Each layer's attention, upstream's rule: `is_causal` (or dflash_config.causal, vLLM's key)
+    for every layer when given, else sliding-window layers causal and full-attention layers not;
+    a sliding layer's window is dflash_config.swa_window_size or sliding_window (vLLM's
+    `use_swa` makes every layer one). A non-causal window narrower than the block would hide the
+    block's later rows from its first ones, which tokenmill does not implement: refused."""
+    types = list(raw.get("layer_types") or getattr(config, "layer_types", None) or ["full_attention"] * layers)
+    if section.get("use_swa"):
+        types = ["sliding_attention"] * layers
+    if len(types) != layers or any(t not in LAYER_TYPES for t in types):
+        raise ConfigError(f"layer_types {types}: one of {LAYER_TYPES} per drafter layer ({layers}) is read")
+    explicit = section.get("causal", raw.get("is_causal", getattr(config, "is_causal", None)))
+    window = section.get("swa_window_size", raw.get("sliding_window", getattr(config, "sliding_window", None)))
+    out = []
+    for kind in types:
+        causal = kind == "sliding_attention" if explicit is None else bool(explicit)
+        size = 0
+        if kind == "sliding_attention":
+            size = _positive(window, "sliding_window (or dflash_config.swa_window_size) of sliding_attention layers")
+            if not causal and size < block:
+                raise ConfigError(f"sliding_window {size} is narrower than the block ({block}) of a non-causal layer")
+        out.append(LayerAttention(causal, size))
+    return tuple(out)
+
+
 def _refuse_unsupported(config: PretrainedConfig, section: dict[str, Any], value: Any) -> None:
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types) or section.get("use_swa"):
-        raise ConfigError(f"layer_types {layer_types} / use_swa: sliding-window drafter layers (sliding_window "
-                          f"{getattr(config, 'sliding_window', None)}) are not implemented for block drafters")
     if section.get("attention_sink_bias") or getattr(config, "add_swa_attention_sink_bias", False):
         raise ConfigError("attention_sink_bias: drafter attention sinks are not implemented")
     if section.get("use_aux_hidden_state", True) is not True:

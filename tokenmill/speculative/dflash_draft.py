@@ -14,6 +14,10 @@ head for verification.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 import torch
 
 from tokenmill.config import EngineConfig
@@ -50,7 +54,7 @@ class DFlashDraft:
         refuse_extra_files(self.source.path)
         self.hf_config = load_hf_config(self.source)
         assert spec.method is not None
-        self.spec: DFlashSpec = read_dflash_spec(self.hf_config, spec.method)
+        self.spec: DFlashSpec = read_dflash_spec(self.hf_config, spec.method, _raw_config(self.source.path))
         gamma = spec.num_speculative_tokens
         if gamma + 1 > self.spec.block_size:
             raise ConfigError(f"num_speculative_tokens {gamma} needs a block of {gamma + 1} rows; the drafter was trained "
@@ -124,3 +128,12 @@ class DFlashDraft:
                      method=quant.linear_method("lm_head"))
         own.weight.data.copy_(weight.to(self.dtype))
         model.set_output_head(own)
+
+
+def _raw_config(path: Path) -> dict[str, Any]:
+    """config.json as written (what transformers' config class may rewrite is read from here)."""
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{path / 'config.json'}: unreadable drafter config ({error})") from error
+    return raw if isinstance(raw, dict) else {}
