@@ -8,9 +8,12 @@ the published drafters' config.json: a Qwen3-style decoder config (`hidden_size`
 conv_kernel_size, conv_group_size, selector_rank, selector_top_k}; `input_embedding_scale`,
 `output_multiplier` and `final_logit_softcapping` are read from `dflash_config` or the top
 level with upstream's defaults (1, 1, none). `target_layer_ids` defaults to upstream's
-`build_target_layer_ids(num_target_layers, num_hidden_layers)`. Everything the drafters of vLLM
-and SGLang read beyond that (sliding-window layers, attention sinks, a separate mask embedding,
-a draft-to-target vocabulary map) is refused at start-up, naming the field.
+`build_target_layer_ids(num_target_layers, num_hidden_layers)`. `layer_types` may mix
+full_attention and sliding_attention layers (window: `sliding_window`, or vLLM's
+dflash_config.swa_window_size / use_swa), causal as upstream decides (`is_causal`, else sliding
+layers causal). Everything the drafters of vLLM and SGLang read beyond that (attention sinks, a
+separate mask embedding, a draft-to-target vocabulary map, drafters without fc) is refused at
+start-up, naming the field.
 """
 
 from __future__ import annotations
