@@ -18,11 +18,11 @@ from tokenmill import SamplingParams
 from tokenmill.engine.engine import EngineStats
 
 GAMMA = 3
-PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 def run(path: Path, prompts: list[list[int]], spec: dict | None, **overrides: object) -> tuple[list[list[int]], EngineStats]:
-    llm = engine(path, spec, num_blocks=13, **overrides)
+    llm = engine(path, spec, num_blocks=12, **overrides)
     outputs = llm.generate(prompts, PARAMS)
     stats = llm.engine.stats()
     assert stats.kv_blocks_used == 0
