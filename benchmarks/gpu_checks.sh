@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a CUDA machine: the GPU-marked tests, then the benchmarks. Output also goes to $OUT if set.
-#   bash benchmarks/gpu_checks.sh [tests|attention|engine|quick|moe|moe-engine|mla|kimi|nvfp4]...   (default: tests attention engine)
+#   bash benchmarks/gpu_checks.sh [tests|attention|engine|quick|moe|moe-engine|mla|kimi|nvfp4|dflash]...   (default: tests attention engine)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp}
@@ -24,6 +24,11 @@ for part in "${@:-tests attention engine}"; do
       mla) python3 -m pytest -q -rP -m gpu -p no:cacheprovider tests/kernels/test_mla_kernels.py tests/kernels/test_mla_layer.py tests/models/test_deepseek.py 2>&1 | tee "$out/mla_gpu_tests.log"
            python3 benchmarks/mla_bench.py --json "$out/mla_bench.json" 2>&1 | tee "$out/mla_bench.log"
            python3 benchmarks/mla_engine_bench.py --json "$out/mla_engine_bench.json" 2>&1 | tee "$out/mla_engine_bench.log" ;;
+      dflash) python3 -m pytest -q -rP -m gpu -p no:cacheprovider tests/speculative/test_dflash_cuda_graphs.py \
+                tests/kernels/test_paged_attention.py -k "dflash or non_causal" 2>&1 | tee "$out/dflash_gpu_tests.log"
+              for q in rates steps cycle batch16; do
+                python3 benchmarks/dflash_bench.py --parts $q --json "$out/dflash_$q.json" 2>&1 | tee "$out/dflash_$q.log"
+              done ;;
       kimi) python3 -m pytest -q -rP -m gpu -p no:cacheprovider tests/models/test_kimi_linear.py tests/models/test_raon.py tests/kernels/test_kda_layer.py 2>&1 | tee "$out/kimi_gpu_tests.log"
             python3 benchmarks/mla_engine_bench.py --model kimi --json "$out/kimi_engine_bench.json" 2>&1 | tee "$out/kimi_engine_bench.log" ;;
     esac

@@ -123,7 +123,9 @@ class ParallelConfig:
     """GPUs one model is split over (only 1 is supported yet)."""
 
 
-SPEC_METHODS = ("ngram", "draft_model", "mtp")
+SPEC_METHODS = ("ngram", "draft_model", "mtp", "dflash", "dflash2")
+BLOCK_DRAFTERS = ("dflash", "dflash2")
+DRAFT_QUANTIZATIONS = ("fp8", "nvfp4")
 
 
 @dataclass(frozen=True)
@@ -131,12 +133,14 @@ class SpeculativeConfig:
     """Speculative decoding, given as `--speculative-config '{"method": "ngram", ...}'` (vLLM's keys)."""
 
     method: str | None = None
-    """ngram (prompt lookup), draft_model, or mtp (the target's own multi-token-prediction head,
-    from its checkpoint); None = off."""
+    """ngram (prompt lookup), draft_model, mtp (the target's own multi-token-prediction head,
+    from its checkpoint), dflash or dflash2 (a block drafter fed the target's hidden states,
+    drafting num_speculative_tokens in one forward); None = off."""
     num_speculative_tokens: int = 4
     """Drafts proposed per step (gamma)."""
     model: str | None = None
-    """The draft model (HF directory or GGUF with the target's tokenizer), for draft_model."""
+    """The draft model (HF directory or GGUF with the target's tokenizer), for draft_model; the
+    drafter checkpoint for dflash / dflash2."""
     verification: str = "token"
     """token (rejection sampling) or block (Sun et al.; never accepts fewer)."""
     draft_sampling: str = "probabilistic"
@@ -147,8 +151,17 @@ class SpeculativeConfig:
     """KV of the draft model or MTP head: auto = the model's dtype; fp8."""
     quantization: str | None = None
     """fp8: quantize the draft's linear layers (output head too) to FP8 E4M3 weights at load, one
-    scale per output row (weight-only); halves the bytes each draft step reads. A draft checkpoint
-    that is itself quantized loads in its own format (detected from its config) without this key."""
+    scale per output row (weight-only); halves the bytes each draft step reads. nvfp4: to NVFP4
+    (W4A16, one global scale per shard), a quarter of them. A draft checkpoint that is itself
+    quantized loads in its own format (detected from its config) without this key."""
+    head_quantization: str | None = None
+    """fp8 or nvfp4: a block drafter's own copy of the target's output head, quantized at load (the
+    target verifies with its own); default: the drafter's `quantization` (none: the head is shared)."""
+    disable_by_batch_size: int | None = None
+    """Speculation is off in a step with more decoding requests than this (they decode plainly;
+    logged as it turns off and on). None: on CUDA, the batch the captured verify graphs hold (past
+    it a verify step of batch x (1 + gamma) rows runs eagerly and costs more than its drafts
+    return); no limit on the CPU."""
     prompt_lookup_min: int = 1
     """Shortest suffix n-gram the ngram proposer matches."""
     prompt_lookup_max: int = 4
@@ -182,6 +195,9 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative method {self.method!r} is unknown; use one of {', '.join(SPEC_METHODS)}")
         if self.method == "draft_model" and not self.model:
             raise ConfigError('the draft_model method needs "model": a draft checkpoint with the target\'s tokenizer')
+        if self.method in BLOCK_DRAFTERS and not self.model:
+            raise ConfigError(f'the {self.method} method needs "model": the drafter checkpoint ({self.method} drafters '
+                              "are trained for one target)")
         if self.method == "mtp" and self.model:
             raise ConfigError('the mtp method drafts with the MTP head in the target\'s own checkpoint: drop "model" '
                               '(or use the draft_model method)')
@@ -195,10 +211,16 @@ class SpeculativeConfig:
             raise ConfigError(f"draft_sampling must be probabilistic or greedy, not {self.draft_sampling!r}")
         if self.draft_kv_cache_dtype not in (AUTO, "fp8"):
             raise ConfigError(f"draft_kv_cache_dtype must be auto or fp8, not {self.draft_kv_cache_dtype!r}")
-        if self.quantization not in (None, "fp8"):
-            raise ConfigError(f"the draft's quantization must be fp8 (or absent), not {self.quantization!r}")
-        if self.quantization and self.method != "draft_model":
+        for key, value in (("quantization", self.quantization), ("head_quantization", self.head_quantization)):
+            if value not in (None, *DRAFT_QUANTIZATIONS):
+                raise ConfigError(f"the draft's {key} must be {' or '.join(DRAFT_QUANTIZATIONS)} (or absent), not {value!r}")
+        if self.quantization and self.method not in ("draft_model", *BLOCK_DRAFTERS):
             raise ConfigError(f"quantization applies to a draft model; the {self.method} method has none")
+        if self.head_quantization and self.method not in BLOCK_DRAFTERS:
+            raise ConfigError(f"head_quantization applies to a block drafter's copy of the output head; the {self.method} "
+                              "method has none")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ConfigError(f"disable_by_batch_size must be at least 1, not {self.disable_by_batch_size}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
 

@@ -73,7 +73,7 @@ def attention_variants():
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for kv_dtype in (dtype, torch.float8_e4m3fn):
             for heads, kv_heads, head_dim in models if dtype == torch.bfloat16 else models[:1]:
-                for max_q in (1, 2048):
+                for max_q, causal, window in ((1, True, 0), (2048, True, 0), (16, False, 0), (16, False, 2048)):
                     plan = plan_attention(
                         num_tokens=max_q, num_requests=1, max_query_len=max_q, max_seq_len=32768,
                         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
@@ -92,8 +92,10 @@ def attention_variants():
                         BLOCK_N=plan.block_n, PAGE=16, SPLIT=plan.split, MIN_SPLIT_TILES=plan.min_split_tiles,
                         UPCAST=False, IEEE=dtype == torch.float32,
                         F16_DOT=kv_dtype == torch.float8_e4m3fn and dtype == torch.bfloat16, LAUNCH_NEXT=True,
+                        CAUSAL=causal, WINDOW=window,
                     )
-                    label = f"attention {TL[dtype]} kv={TL[kv_dtype]} H={heads}/{kv_heads} D={head_dim} q={max_q}"
+                    label = (f"attention {TL[dtype]} kv={TL[kv_dtype]} H={heads}/{kv_heads} D={head_dim} q={max_q}"
+                             + ("" if causal else " non-causal") + (f" window {window}" if window else ""))
                     yield label, _paged_attention_kernel, types, consts, plan.num_warps, plan.num_stages
 
 

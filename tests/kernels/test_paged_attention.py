@@ -52,6 +52,8 @@ def check_attention(
     block_size: int = 16,
     strided: bool = False,
     seed: int = 0,
+    causal: bool = True,
+    window: int = 0,
 ) -> TritonAttentionBackend:
     torch.manual_seed(seed)
     kv_dtype = kv_dtype or dtype
@@ -78,10 +80,10 @@ def check_attention(
         k_ref, v_ref = k.float(), v.float()
     ref_cache = dequantized(cache, scales)
     scale = head_dim**-0.5
-    expected = TorchReferenceBackend().forward(q.float(), k_ref, v_ref, ref_cache, md, scale)
+    expected = TorchReferenceBackend().forward(q.float(), k_ref, v_ref, ref_cache, md, scale, causal=causal, window=window)
 
     backend = TritonAttentionBackend(num_splits=num_splits)
-    out = backend.forward(q, k, v, cache, md, scale, *scales)
+    out = backend.forward(q, k, v, cache, md, scale, *scales, causal=causal, window=window)
 
     assert out.dtype == dtype and out.shape == q.shape
     assert torch.equal(cache.view(torch.uint8), expected_cache.view(torch.uint8)), "KV cache contents differ"
@@ -108,6 +110,30 @@ def check_attention(
 )
 def test_mixed_batch_matches_reference(requests, heads, kv_heads, head_dim, dtype, device) -> None:
     check_attention(requests, heads, kv_heads, head_dim, dtype, device)
+
+
+@pytest.mark.parametrize(
+    "requests,num_splits,kv_dtype,causal,window,device",
+    [
+        on_cpu([(4, 4), (5, 40), (16, 53), (3, 200)], None, None, False, 0, id="blocks-tiny"),
+        on_cpu([(4, 37), (9, 90)], 3, None, False, 0, id="blocks-3-splits"),
+        on_cpu([(4, 37), (9, 90)], None, FP8, False, 0, id="blocks-fp8"),
+        on_cpu([(4, 37), (9, 90), (16, 200), (3, 5)], None, None, False, 20, id="blocks-window-20"),
+        on_cpu([(4, 37), (9, 90), (16, 200)], 3, None, False, 33, id="blocks-window-33-splits"),
+        on_cpu(MIXED_TINY, None, None, True, 17, id="causal-window-17"),
+        on_cpu(DECODE_TINY, 4, None, True, 40, id="decode-window-40-splits"),
+        on_gpu([(16, 16), (16, 4000), (16, 333), (16, 32768)], None, None, False, 0, id="blocks-16-llama"),
+        on_gpu([(16, 16), (16, 4000), (16, 333)], None, FP8, False, 0, id="blocks-16-llama-fp8"),
+        on_gpu([(16, 16), (16, 4000), (16, 333), (16, 32768)], None, None, False, 2048, id="blocks-16-window-2048"),
+        on_gpu(LLAMA_MIXED, None, None, True, 1000, id="llama-mixed-causal-window-1000"),
+    ],
+)
+def test_non_causal_and_windowed_attention_match_reference(requests, num_splits, kv_dtype, causal, window, device) -> None:
+    """causal=False (a block drafter's block): every row of a request sees all its keys, the
+    block's own rows after it included; window > 0: none below its position - window + 1."""
+    check_attention(requests, 8, 2, 64 if device == "cpu" else 128, torch.float32 if device == "cpu" else torch.bfloat16,
+                    device, kv_dtype=kv_dtype, scales=(0.5, 2.0) if kv_dtype is not None else (1.0, 1.0),
+                    num_splits=num_splits, causal=causal, window=window)
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ from tokenmill.models.step_cost import prefill_attention_depth
 from tokenmill.outputs import CompletionOutput, RequestOutput, SpecUsage, TokenLogprobs
 from tokenmill.runner.model_runner import ModelRunner, StepOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.speculative.proposers import build_drafter, build_proposer, reads_target_hidden, runner_companions
+from tokenmill.speculative.proposers import BatchSizeRule, build_drafter, build_proposer, reads_target_hidden, runner_companions
 from tokenmill.speculative.stats import SpecStats
 
 logger = logging.getLogger(__name__)
@@ -93,6 +93,7 @@ class LLMEngine:
         self._in_flight: LaunchedStep | None = None
         self.spec_stats = SpecStats()
         self.proposer = build_proposer(self.config, self.runner, self.kv, drafter)
+        self.spec_rule = BatchSizeRule.of(self.config, self.runner)
 
     @property
     def steering(self) -> SteeringFile | None:
@@ -256,7 +257,7 @@ class LLMEngine:
             if request.num_computed_tokens == request.num_tokens - 1 and request.grammar is None and limit > 0:
                 decoding.append(request)
                 limits.append(limit)
-        if decoding:
+        if decoding and self.spec_rule.allows(len(decoding)):
             self.proposer.propose(decoding, limits)
 
     def _needs_host_tokens(self) -> bool:

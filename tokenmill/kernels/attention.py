@@ -136,9 +136,13 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     out: torch.Tensor | None = None,
+    causal: bool = True,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of packed queries over their requests' cached keys and values (which
-    must already hold this step's tokens). Rows of `out` outside every request are left as is."""
+    must already hold this step's tokens); causal=False: every query of a request sees all its
+    seq_len keys (a block drafter's block); window > 0: row r at position p also sees no key
+    below p - window + 1 (sliding-window layers). Rows of `out` outside every request are left as is."""
     num_tokens, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = key_cache.shape
     if out is None:
@@ -167,7 +171,7 @@ def paged_attention(
         GROUP=group, GROUP_P=next_pow2(group), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, PAGE=page,
         SPLIT=plan.split, MIN_SPLIT_TILES=plan.min_split_tiles, UPCAST=upcast, IEEE=ieee,
-        F16_DOT=key_cache.dtype == FP8_DTYPE and q.dtype == torch.bfloat16, LAUNCH_NEXT=pdl,
+        F16_DOT=key_cache.dtype == FP8_DTYPE and q.dtype == torch.bfloat16, LAUNCH_NEXT=pdl, CAUSAL=causal, WINDOW=window,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     merge_partials(out, part_out, part_lse, query_start_loc, num_requests, splits, pdl)

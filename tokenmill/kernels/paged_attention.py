@@ -75,13 +75,15 @@ def _request_tile(qsl_ptr, num_requests, tile, BLOCK: tl.constexpr):
 
 @triton.jit
 def _attend_tiles(
-    acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos, kv_end, t_lo, t_hi, offs_d,
+    acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos, lo_pos, kv_end, t_lo, t_hi, offs_d,
     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, CAUSAL_MASK: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
-    """Online softmax over KV tiles t_lo .. t_hi - 1. Without CAUSAL_MASK every key of these
-    tiles must be visible to every row (the caller guarantees it)."""
+    """Online softmax over KV tiles t_lo .. t_hi - 1: with CAUSAL_MASK, row r sees keys up to
+    q_pos[r] (and from lo_pos[r] with a WINDOW); without it every key of these tiles must be
+    visible to every row (the caller guarantees it)."""
     d_ok = offs_d[None, :] < HEAD_DIM
     for t in range(t_lo, t_hi):
         offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -104,6 +106,8 @@ def _attend_tiles(
         s = mm(q, tl.trans(k.to(q.dtype)), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST, IEEE) * qk_scale
         if CAUSAL_MASK:
             visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+            if WINDOW > 0:
+                visible = visible & (offs_n[None, :] >= lo_pos[:, None])
         else:
             visible = 0  # unread
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v.to(q.dtype), visible, CAUSAL_MASK, UPCAST, IEEE)
@@ -164,6 +168,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, SPLIT: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, F16_DOT: tl.constexpr, LAUNCH_NEXT: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
 ):
     launch_next(LAUNCH_NEXT)
     # Highest tile ids first: in a causal prefill the last tiles of a request do the most work.
@@ -188,10 +193,14 @@ def _paged_attention_kernel(
     row_ok = (row_tok < BLOCK_Q) & (tok < q_len) & (row_head < GROUP)
     head = kv_head * GROUP + row_head
 
-    kv_end = ctx_start + tl.minimum(q_tile_start + BLOCK_Q, q_len)
+    if CAUSAL:
+        kv_end = ctx_start + tl.minimum(q_tile_start + BLOCK_Q, q_len)
+        # Tiles below this one hold only keys every row of the tile may see.
+        full_tiles = (ctx_start + q_tile_start + 1) // BLOCK_N
+    else:  # every row sees the request's seq_len keys (a block drafter's block)
+        kv_end = seq_len
+        full_tiles = seq_len // BLOCK_N
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    # Tiles below this one hold only keys every row of the tile may see.
-    full_tiles = (ctx_start + q_tile_start + 1) // BLOCK_N
     t_lo = 0
     t_hi = num_tiles
     part = 0  # the partial-output rows of a split launch
@@ -202,7 +211,16 @@ def _paged_attention_kernel(
             tl.store(part_lse_ptr + part, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
             return
 
-    q_pos = ctx_start + tok
+    row_pos = ctx_start + tok
+    q_pos = row_pos if CAUSAL else kv_end - 1 + 0 * tok
+    lo_pos = row_pos - WINDOW + 1  # a sliding window's first key of each row
+    lo_tile = 0  # tiles below hold no key any row sees
+    safe_tile = 0  # tiles from here hold no key below any row's window
+    if WINDOW > 0:
+        first_row = ctx_start + q_tile_start
+        last_row = ctx_start + tl.minimum(q_tile_start + BLOCK_Q, q_len) - 1
+        lo_tile = tl.maximum(first_row - WINDOW + 1, 0) // BLOCK_N
+        safe_tile = tl.cdiv(tl.maximum(last_row - WINDOW + 1, 0), BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     q, qk_scale = _load_rows(q_ptr, q_start + tok, head, row_ok, offs_d, stride_qt, stride_qh, qk_scale, HEAD_DIM, F16_DOT)
 
@@ -212,17 +230,24 @@ def _paged_attention_kernel(
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
     bt_row = block_tables_ptr + req * stride_bt
+    if WINDOW > 0:  # the tiles the windows of the rows start in
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos, lo_pos, kv_end,
+            tl.maximum(t_lo, lo_tile), tl.minimum(t_hi, safe_tile), offs_d,
+            stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE, True, UPCAST, IEEE, WINDOW,
+        )
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos, kv_end,
-        t_lo, tl.minimum(t_hi, full_tiles), offs_d,
+        acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos, lo_pos, kv_end,
+        tl.maximum(t_lo, safe_tile), tl.minimum(t_hi, full_tiles), offs_d,
         stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE, False, UPCAST, IEEE,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE, False, UPCAST, IEEE, WINDOW,
     )
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos, kv_end,
-        tl.maximum(t_lo, full_tiles), t_hi, offs_d,
+        acc, m_i, l_i, q, k_base, v_base, bt_row, q_pos, lo_pos, kv_end,
+        tl.maximum(tl.maximum(t_lo, full_tiles), safe_tile), t_hi, offs_d,
         stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE, True, UPCAST, IEEE,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE, True, UPCAST, IEEE, WINDOW,
     )
 
     _store_rows(acc, m_i, l_i, v_scale, out_ptr, part_out_ptr, part_lse_ptr, part, q_start + tok, head, row_ok, offs_d,

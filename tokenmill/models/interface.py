@@ -10,7 +10,7 @@ target's own embedding and output head, run by tokenmill.speculative.mtp as a pr
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -195,6 +195,43 @@ class CausalLM(StepModel):
         ctx.hidden): by default the output itself (after the final norm, as vLLM and SGLang feed
         their MTP heads)."""
         return hidden
+
+    def layer_output_entries(self, layer_ids: Sequence[int]) -> tuple[int, ...]:
+        """StepContext.keep_hidden entries whose recordings are the outputs of these decoder layers
+        (a block drafter's `target_layer_ids`): layer i's output is the residual stream entering
+        layer i + 1, transformers' `hidden_states[i + 1]`. The last layer's output has no such
+        entry (transformers reports it after the final norm), so it is refused, as any id outside
+        the layers is."""
+        layers = int(self.config.num_hidden_layers)
+        bad = [i for i in layer_ids if not 0 <= int(i) < layers - 1]
+        if bad:
+            raise ConfigError(f"target_layer_ids {list(layer_ids)}: {bad} not among the layers whose outputs "
+                              f"{type(self).__name__} records (0..{layers - 2} of its {layers} layers)")
+        return tuple(int(i) + 1 for i in layer_ids)
+
+    def layer_outputs(self, ctx: StepContext, layer_ids: Sequence[int]) -> torch.Tensor:
+        """[T, len(layer_ids) * width]: the recorded outputs of these layers side by side, in order."""
+        return torch.cat([ctx.hidden[int(i) + 1] for i in layer_ids], dim=-1)
+
+    def layer_output_width(self) -> int:
+        """Features of one recorded layer output per row."""
+        return int(self.config.hidden_size)
+
+    def input_embedding(self) -> nn.Embedding:
+        """The token embedding (a block drafter embeds its block with the target's)."""
+        found = [m for name, m in self.named_modules() if name.rsplit(".", 1)[-1] == "embed_tokens"
+                 and isinstance(m, nn.Embedding)]
+        if len(found) != 1:
+            raise ConfigError(f"{type(self).__name__} has {len(found)} token embeddings named embed_tokens; "
+                              "it must say which one a drafter shares (input_embedding)")
+        return found[0]
+
+    def output_head(self) -> nn.Module:
+        """The output head (a block drafter shares the target's unless it has its own)."""
+        head = getattr(self, "lm_head", None)
+        if not isinstance(head, nn.Module):
+            raise ConfigError(f"{type(self).__name__} has no lm_head a drafter could share (output_head)")
+        return head
 
     @classmethod
     def serving_config(cls, config: PretrainedConfig) -> PretrainedConfig:

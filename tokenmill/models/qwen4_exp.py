@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -147,6 +147,15 @@ class Qwen4ExpForCausalLM(Qwen3NextForCausalLM):
 
     def mtp_keep_hidden(self) -> tuple[int, ...]:
         return (len(self.layers),)
+
+    def layer_output_entries(self, layer_ids: Sequence[int]) -> tuple[int, ...]:
+        """Refused: this model records each layer's hyper-connection streams ([T, hc_count * hidden]);
+        which hidden state a block drafter's target_layer_ids tap (one stream, the mixed streams)
+        is not determined from the public drafters."""
+        raise ConfigError(f"target_layer_ids {list(layer_ids)}: a block drafter over {type(self).__name__}'s "
+                          "hyper-connection streams taps a hidden state no public implementation determines; "
+                          "tokenmill does not guess it")
+
 
     def mtp_tap(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """The streams after the last layer, before the final mixer ([T, hc_count * hidden]: the

@@ -18,7 +18,7 @@ naming the field. The weights use Kimi-Linear's names (either checkpoint layout)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -169,6 +169,14 @@ class RaonForCausalLM(KimiLinearForCausalLM):
                 ctx.hidden[i] = streams.flatten(1)
             streams = layer(streams, ctx, recurrent)
         return self.norm(self.hyper_connection_mixer.mix(streams)[0])
+
+    def layer_output_entries(self, layer_ids: Sequence[int]) -> tuple[int, ...]:
+        """Refused: this model records each layer's hyper-connection streams ([T, hc_count * hidden]);
+        which hidden state a block drafter's target_layer_ids tap (one stream, the mixed streams)
+        is not determined from the public drafters."""
+        raise ConfigError(f"target_layer_ids {list(layer_ids)}: a block drafter over {type(self).__name__}'s "
+                          "hyper-connection streams taps a hidden state no public implementation determines; "
+                          "tokenmill does not guess it")
 
     def process_weights_after_loading(self) -> None:
         super().process_weights_after_loading()

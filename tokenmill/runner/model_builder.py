@@ -97,20 +97,45 @@ def one_cpu_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+def build_head(
+    make: Callable[[], _Module], source: CheckpointSource, *, dtype: torch.dtype, device: torch.device,
+    dummy_seed: int | None, before_processing: Callable[[_Module], None] | None = None,
+) -> _Module:
+    """A module built as models are (`make` in the model's dtype on its device), from its own
+    checkpoint's tensors or seeded random weights: a drafter on the target (a block drafter)."""
+    module = _in_dtype(make, dtype, device)
+    if dummy_seed is not None:
+        init_dummy_weights(module, dummy_seed)
+    else:
+        with one_cpu_thread():
+            module.load_weights(iter_weights(source))  # type: ignore[operator]
+    if before_processing is not None:
+        before_processing(module)
+    module.process_weights_after_loading()  # type: ignore[operator]
+    return module.eval()
+
+
+def module_weight_bytes(make: Callable[[], torch.nn.Module], dtype: torch.dtype) -> int:
+    """Bytes of the parameters and buffers of a module `make` constructs (on the meta device)."""
+    module = _in_dtype(make, dtype, torch.device("meta"))
+    return sum(t.numel() * t.element_size() for t in itertools.chain(module.parameters(), module.buffers()))
+
+
 def checkpoint_quantization(
     hf_config: PretrainedConfig, source: CheckpointSource, use_triton: bool, read_weights: bool = True,
-    choices: EngineChoices = EngineChoices(),
+    choices: EngineChoices = EngineChoices(), model: type[torch.nn.Module] | None = None,
 ) -> CheckpointQuantization | None:
     """The quantization a checkpoint's config describes (None: unquantized), its layers named
     through the model's packed names from the checkpoint's tensor names, a layer whose weight the
     checkpoint stores in high precision left unquantized (DeepSeek's routers, which its config does
     not list); read_weights=False (random weights): from the model's own names, a tied output head
-    left unquantized."""
+    left unquantized. `model`: the class whose packed names map the checkpoint's layers (default:
+    the registered class of the config's architecture)."""
     spec = read_quant_spec(getattr(hf_config, "quantization_config", None), load_hf_quant_config(source))
     if spec is None:
         return None
     dtypes = checkpoint_tensor_dtypes(source) if read_weights else None
-    table = modules_by_target(model_class(hf_config), dtypes) if dtypes is not None else None
+    table = modules_by_target(model or model_class(hf_config), dtypes) if dtypes is not None else None
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
 
     def checkpoint_names(prefix: str) -> list[str]:

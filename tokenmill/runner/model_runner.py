@@ -67,10 +67,10 @@ class StepOutput:
 
 @dataclass
 class StepHidden:
-    """What a proposer head built on the target (MTP) reads of the step last launched: the
-    target's hidden states for it (`CausalLM.mtp_tap`) at every row, the ids the forward read
-    (drafts and placeholders filled in) and the forward's context. Under CUDA graphs the hidden
-    states are a static buffer's view: valid until the target's next step."""
+    """What a proposer head built on the target (an MTP head, a block drafter) reads of the step
+    last launched: the target's hidden states for it (the head's `HiddenTap`) at every row, the
+    ids the forward read (drafts and placeholders filled in) and the forward's context. Under
+    CUDA graphs the hidden states are a static buffer's view: valid until the target's next step."""
 
     hidden: torch.Tensor  # [T, width]
     input_ids: torch.Tensor  # [T]
@@ -78,9 +78,26 @@ class StepHidden:
     uniform_query_len: int | None  # as BatchInputs says
 
 
-HeadBuilder = Callable[[CausalLM, ModelBuild], dict[str, CacheLayer]]
-"""(the built target, its build) -> the cache layers of a proposer head made from the target's own
-checkpoint (an MTP head), sized and allocated with the target's."""
+@dataclass(frozen=True)
+class HiddenTap:
+    """What a head reads of every target forward: the StepContext.keep_hidden entries the forward
+    records (`CausalLM.mtp_keep_hidden`, or the layers a block drafter taps) and the [T, width]
+    tensor made of the final hidden states and those (`CausalLM.mtp_tap`, `CausalLM.layer_outputs`).
+    The target's CUDA graphs output it beside the logits."""
+
+    keep_hidden: tuple[int, ...]
+    read: Callable[[torch.Tensor, StepContext], torch.Tensor]
+
+
+@dataclass
+class HeadParts:
+    cache_layers: dict[str, CacheLayer]  # sized and allocated with the target's (they share its block ids)
+    tap: HiddenTap
+
+
+HeadBuilder = Callable[[CausalLM, ModelBuild], HeadParts]
+"""(the built target, its build) -> a proposer head on the target (an MTP head from its own
+checkpoint, a block drafter fed its hidden states): its cache layers and what it reads."""
 
 
 @dataclass
@@ -133,9 +150,12 @@ class ModelRunner:
             self.install_steering(steering or load_steering_file(path))
         self.request_input_specs = self.model.request_inputs()
         self.token_output_names = self.model.token_outputs()
+        self.tap: HiddenTap | None = None
         if head is not None:
-            companion_cache_layers = {**(companion_cache_layers or {}), **head(self.model, self.build)}
-        self.keeps_hidden = head is not None
+            parts = head(self.model, self.build)
+            companion_cache_layers = {**(companion_cache_layers or {}), **parts.cache_layers}
+            self.tap = parts.tap
+        self.keeps_hidden = self.tap is not None
         self.last_hidden: StepHidden | None = None
         self.cache_layers = {**self.model.cache_layers(), **(companion_cache_layers or {})}
         self.sampler = Sampler()
@@ -186,8 +206,8 @@ class ModelRunner:
         plan = self.cache_plan
         has_state = any(isinstance(spec, RecurrentStateSpec) for spec in model.cache_specs().values())
         keep_hidden: tuple[int, ...] = ()
-        if model is self.model and self.keeps_hidden:
-            step_function, keep_hidden = self._logits_and_tap, self.model.mtp_keep_hidden()
+        if model is self.model and self.tap is not None:
+            step_function, keep_hidden = self._logits_and_tap, self.tap.keep_hidden
         return StepGraphs(model, max_batch, self.max_blocks_per_seq, self.num_blocks, self.block_size,
                           self.config.model.max_model_len, self.device, query_len, name,
                           scratch_state_slot=plan.scratch_slot if has_state and plan.bytes_per_state_slot else None,
@@ -197,8 +217,9 @@ class ModelRunner:
                           lazy=self.config.cuda_graph_capture == "lazy")
 
     def _logits_and_tap(self, input_ids: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, ...]:
+        assert self.tap is not None
         hidden = self.model(input_ids, ctx)
-        return self.model.compute_logits(hidden), self.model.mtp_tap(hidden, ctx)
+        return self.model.compute_logits(hidden), self.tap.read(hidden, ctx)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -229,12 +250,15 @@ class ModelRunner:
             seq_lens_host=[context],
         )
         ctx = StepContext(torch.arange(context - tokens, context, device=self.device), metadata,
-                          state_slots=torch.zeros(1, dtype=torch.int64, device=self.device))
+                          state_slots=torch.zeros(1, dtype=torch.int64, device=self.device),
+                          keep_hidden=self.tap.keep_hidden if self.tap is not None else ())
         hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device), ctx)
+        tap = self.tap.read(hidden, ctx) if self.tap is not None else None  # kept, as a step keeps it
         rows = min(self.config.scheduler.max_num_seqs, tokens)
         logits = self.model.compute_logits(hidden[:rows])
         self.sampler(logits, SamplingMetadata.build(
             [SamplingRow(_PROFILE_PARAMS, [0], [], None)] * rows, self.vocab_size, self.device))
+        del tap
         allocate_caches(target_layers, 0, 0, self.device)
         return scratch
 
@@ -372,10 +396,10 @@ class ModelRunner:
                         return graphs.run_padded(inputs.input_ids, ctx), None
                     logits, tap = graphs.run_padded_outputs(inputs.input_ids, ctx)
                     return logits, tap
-        if tapped:
-            ctx.keep_hidden = self.model.mtp_keep_hidden()
+        if self.tap is not None:
+            ctx.keep_hidden = self.tap.keep_hidden
         hidden = self.model(inputs.input_ids, ctx)
-        tap = self.model.mtp_tap(hidden, ctx) if tapped else None
+        tap = self.tap.read(hidden, ctx) if self.tap is not None else None
         if inputs.logits_indices.numel() == 0:
             return None, tap
         return self.model.compute_logits(hidden[inputs.logits_indices]), tap

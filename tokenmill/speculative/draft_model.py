@@ -26,6 +26,7 @@ from tokenmill.models.interface import CausalLM, ModelBuild
 from tokenmill.models.loader import load_hf_config, resolve_model
 from tokenmill.numerics import KV_CACHE_DTYPES
 from tokenmill.quantization import Fp8OnLoad
+from tokenmill.quantization.nvfp4_on_load import Nvfp4OnLoad
 from tokenmill.runner.batch import Chunk, flat_block_tables, pack_context
 from tokenmill.runner.cuda_graphs import StepGraphs
 from tokenmill.runner.memory import check_weights_fit
@@ -60,6 +61,8 @@ class DraftModel:
                               f"\"quantization\": \"{spec.quantization}\" from --speculative-config")
         if spec.quantization == "fp8":
             quantization = Fp8OnLoad(use_triton)
+        elif spec.quantization == "nvfp4":
+            quantization = Nvfp4OnLoad(use_triton)
         self.build = ModelBuild(self.hf_config, self.backend, config.model.max_model_len, self.block_size, self.kv_dtype,
                                 use_triton, quantization)
         self.vocab_ids = load_draft_vocab(spec.draft_vocab).to(self.device) if spec.draft_vocab else None

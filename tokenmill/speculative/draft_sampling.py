@@ -70,6 +70,40 @@ class DraftSampler:
             r.drafts = Drafts(limit, host_ids=drafted[b][:limit] if host_drafts else None, device_ids=columns[b, :limit],
                               probs=None if stacked is None else stacked[b, :limit])
 
+    def plain_greedy(self, requests: Sequence[DraftingRequest], limits: Sequence[int]) -> bool:
+        """Whether every draft of these requests is its logits' argmax: greedy rows (or greedy
+        drafting) with no penalty and no ban at any of their draft positions."""
+        # A ban (min_tokens) at a later draft position implies one at the first.
+        return all((self.greedy or r.params.greedy) and not r.params.uses_penalties and not r.banned_token_ids()
+                   for r, limit in zip(requests, limits) if limit > 0)
+
+    def draft_positions(self, requests: Sequence[DraftingRequest], limits: Sequence[int], logits: torch.Tensor) -> None:
+        """Set each request's drafts from per-position logits [B, G, V'] whose positions do not
+        depend on the drafts before them (a block drafter's block): each draft is drawn from its
+        position's processed distribution, exactly as `draft` draws it, all positions at once;
+        under penalties (which count the drafts before a position) one position at a time."""
+        if any(r.params.uses_penalties for r in requests):
+            self.draft(requests, limits, logits[:, 0], lambda step, previous: logits[:, step])
+            return
+        gamma, batch = max(limits), len(requests)
+        flat = logits[:, :gamma].flatten(0, 1)
+        probs = None
+        if self.plain_greedy(requests, limits):
+            tokens = self._argmax(flat).view(batch, gamma)
+        else:
+            rows = [self._row(r, [], r.banned_token_ids(extra_outputs=step)) for r in requests for step in range(gamma)]
+            q = processed_probs(self.full_vocab_logits(flat), SamplingMetadata.build(rows, self.vocab_size, logits.device))
+            tokens = (row_argmax(q) if self.greedy else _sample(q)).view(batch, gamma)
+            probs = None if self.greedy else q.view(batch, gamma, -1)  # greedy: q is one-hot at the draft
+        for b, (r, limit) in enumerate(zip(requests, limits)):
+            r.drafts = Drafts(limit, device_ids=tokens[b, :limit], probs=None if probs is None else probs[b, :limit])
+
+    @staticmethod
+    def set_drafts(requests: Sequence[DraftingRequest], limits: Sequence[int], tokens: torch.Tensor) -> None:
+        """Drafts [B, G] that are each their distribution's argmax (one-hot q), on the device."""
+        for b, (r, limit) in enumerate(zip(requests, limits)):
+            r.drafts = Drafts(limit, device_ids=tokens[b, :limit])
+
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's draft when nothing applies before the argmax, in the target's ids."""
         best = row_argmax(logits)

@@ -40,7 +40,7 @@ from tokenmill.models.loader import CheckpointSource
 from tokenmill.numerics import KV_CACHE_DTYPES
 from tokenmill.runner.cuda_graphs import StepGraphs, TokenInputSpec
 from tokenmill.runner.model_builder import build_mtp_head
-from tokenmill.runner.model_runner import ModelRunner, StepOutput
+from tokenmill.runner.model_runner import HeadParts, HiddenTap, ModelRunner, StepOutput
 from tokenmill.speculative.draft_sampling import DecodeSteps, DraftSampler
 from tokenmill.speculative.draft_vocab import load_draft_vocab
 from tokenmill.speculative.drafts import DraftingRequest
@@ -66,7 +66,7 @@ class MTPDraft:
         assert self._head is not None, "the target's runner builds the head"
         return self._head
 
-    def __call__(self, target: CausalLM, build: ModelBuild) -> dict[str, CacheLayer]:
+    def __call__(self, target: CausalLM, build: ModelBuild) -> HeadParts:
         self._build = replace(build, kv_cache_dtype=self.kv_dtype)
         dummy = self.config.model.load_format == "dummy"
         self._head = build_mtp_head(target, self._build, self.source, dtype=self.dtype, device=self.device,
@@ -75,7 +75,8 @@ class MTPDraft:
         if any(isinstance(spec, RecurrentStateSpec) for spec in self._head.cache_specs().values()):
             raise ConfigError(f"the {type(target).__name__} MTP head keeps per-request state, which its cache "
                               "layers (sharing the target's block tables) cannot hold")
-        return {f"mtp.{name}": layer for name, layer in self._head.cache_layers().items()}
+        layers: dict[str, CacheLayer] = {f"mtp.{name}": layer for name, layer in self._head.cache_layers().items()}
+        return HeadParts(layers, HiddenTap(target.mtp_keep_hidden(), target.mtp_tap))
 
     def _restrict_head(self, head: MTPHead) -> None:
         """Give the head its own output head of the draft vocabulary's rows: row j drafts ids[j]."""

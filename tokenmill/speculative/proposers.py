@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Protocol
 
-from tokenmill.config import EngineConfig, SpeculativeConfig
+from tokenmill.config import BLOCK_DRAFTERS, EngineConfig, SpeculativeConfig
 from tokenmill.kv.coordinator import KVCacheCoordinator
 from tokenmill.kv.specs import CacheLayer
 from tokenmill.models.loader import CheckpointSource
 from tokenmill.runner.model_runner import HeadBuilder, ModelRunner, StepOutput
+from tokenmill.speculative.dflash import DFlashProposer
+from tokenmill.speculative.dflash_draft import DFlashDraft
 from tokenmill.speculative.draft_model import DraftModel, DraftModelProposer
 from tokenmill.speculative.drafts import NO_DRAFTS, DraftingRequest, Drafts
 from tokenmill.speculative.mtp import MTPDraft, MTPProposer
 from tokenmill.speculative.ngram import NgramProposer
 
-Drafter = DraftModel | MTPDraft
+logger = logging.getLogger(__name__)
+
+Drafter = DraftModel | MTPDraft | DFlashDraft
 """What a proposer needs built before the target's runner sizes its caches."""
 
 
@@ -53,12 +58,15 @@ class PromptLookupProposer:
 
 
 def build_drafter(config: EngineConfig, source: CheckpointSource) -> Drafter | None:
-    """The draft model (draft_model) or the MTP head's builder (mtp), before the target's runner."""
+    """The draft model (draft_model), or the builder of a head on the target (mtp; dflash and
+    dflash2: a block drafter), before the target's runner."""
     method = config.speculative.method
     if method == "draft_model":
         return DraftModel(config)
     if method == "mtp":
         return MTPDraft(config, source)
+    if method in BLOCK_DRAFTERS:
+        return DFlashDraft(config)
     return None
 
 
@@ -85,4 +93,34 @@ def build_proposer(
     assert drafter is not None, "the engine builds the drafter before the target sizes its cache"
     if isinstance(drafter, MTPDraft):
         return MTPProposer(config, drafter, target, kv)
+    if isinstance(drafter, DFlashDraft):
+        return DFlashProposer(config, drafter, target, kv)
     return DraftModelProposer(config, drafter, target, kv)
+
+
+class BatchSizeRule:
+    """Speculation off in a step with more decoding requests than `limit` (SpeculativeConfig.
+    disable_by_batch_size, or the batch the captured verify graphs hold); logged as it turns off
+    and on again."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.off = False
+
+    @classmethod
+    def of(cls, config: EngineConfig, target: ModelRunner) -> BatchSizeRule:
+        limit = config.speculative.disable_by_batch_size
+        if limit is None and len(target.graphs) > 1:
+            limit = target.graphs[-1].max_batch  # the verify graphs'
+        return cls(limit)
+
+    def allows(self, decoding: int) -> bool:
+        off = self.limit is not None and decoding > self.limit
+        if off != self.off:
+            self.off = off
+            if off:
+                logger.info("speculation off: %d decoding requests are more than %d (disable_by_batch_size, or the batch "
+                            "the verify graphs hold)", decoding, self.limit)
+            else:
+                logger.info("speculation on again: %d decoding requests", decoding)
+        return not off

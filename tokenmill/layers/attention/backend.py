@@ -38,7 +38,7 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """Owns a KV layout and computes causal GQA attention over it."""
+    """Owns a KV layout and computes GQA attention over it (causal, or non-causal within a request's rows)."""
 
     name: str
     # True when `attend` reads a cache whose step was written by someone else (the fused rotary +
@@ -67,13 +67,23 @@ class AttentionBackend(ABC):
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        causal: bool = True,
+        window: int = 0,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Write this step's k, v into the cache, then attend.
 
         An FP8 cache stores k / k_scale and v / v_scale; reads multiply the scales back.
+        causal=False: every query row of a request sees all of its seq_len keys (the rows of a
+        block drafter's block attend to each other and to the context before them). window > 0:
+        the row at position p sees no key below p - window + 1 (a sliding-window layer).
         """
 
+    def write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+              k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        """Write keys and values into the cache without attending (a drafter's context rows)."""
+        raise NotImplementedError(f"the {self.name} backend has no separate cache write")
+
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
-               k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+               k_scale: float = 1.0, v_scale: float = 1.0, causal: bool = True, window: int = 0) -> torch.Tensor:
         """Attention over a cache that already holds this step's keys and values."""
         raise NotImplementedError(f"the {self.name} backend writes and attends in one call (forward)")

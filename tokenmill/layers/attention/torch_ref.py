@@ -49,11 +49,19 @@ class TorchReferenceBackend(AttentionBackend):
     name = "torch"
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, scale: float,
-                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                k_scale: float = 1.0, v_scale: float = 1.0, causal: bool = True, window: int = 0) -> torch.Tensor:
         write_kv(kv_cache, k, v, metadata.slot_mapping, k_scale, v_scale)
+        return self.attend(q, kv_cache, metadata, scale, k_scale, v_scale, causal, window)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+              k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        write_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale)
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+               k_scale: float = 1.0, v_scale: float = 1.0, causal: bool = True, window: int = 0) -> torch.Tensor:
         out = torch.empty_like(q)
         num_heads = q.shape[1]
-        group = num_heads // k.shape[1]
+        group = num_heads // kv_cache.shape[3]
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(metadata.query_lens_host, metadata.seq_lens_host)):
             keys, values = gather_kv(kv_cache, metadata.block_tables[i], seq_len)
@@ -62,10 +70,14 @@ class TorchReferenceBackend(AttentionBackend):
             rows = max(1, MAX_SCORES // (seq_len * num_heads))
             for first in range(0, q_len, rows):
                 last = min(q_len, first + rows)
-                end = seq_len - q_len + last  # keys the block's last row sees
-                # Query j sits at position seq_len - q_len + j and sees keys 0..that position.
-                q_pos = torch.arange(seq_len - q_len + first, end, device=q.device)
-                mask = torch.arange(end, device=q.device)[None, :] <= q_pos[:, None]
+                # Query j sits at position seq_len - q_len + j and sees keys 0..that position (all
+                # seq_len keys when not causal); with a window, none below position - window + 1.
+                end = seq_len - q_len + last if causal else seq_len  # keys the chunk's last row sees
+                rows_at = torch.arange(seq_len - q_len + first, seq_len - q_len + last, device=q.device)[:, None]
+                keys_at = torch.arange(end, device=q.device)[None, :]
+                mask = keys_at <= (rows_at if causal else torch.full_like(rows_at, seq_len - 1))
+                if window > 0:
+                    mask &= keys_at > rows_at - window
                 out[start + first : start + last] = F.scaled_dot_product_attention(
                     q[start + first : start + last].transpose(0, 1),
                     keys[:end].transpose(0, 1),

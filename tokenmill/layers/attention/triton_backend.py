@@ -83,12 +83,18 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        causal: bool = True,
+        window: int = 0,
     ) -> torch.Tensor:
-        self._kv_cache.write_kv_cache(k, v, kv_cache, metadata.slot_mapping, k_scale, v_scale)
-        return self.attend(q, kv_cache, metadata, scale, k_scale, v_scale)
+        self.write(k, v, kv_cache, metadata.slot_mapping, k_scale, v_scale)
+        return self.attend(q, kv_cache, metadata, scale, k_scale, v_scale, causal, window)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+              k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        self._kv_cache.write_kv_cache(k, v, kv_cache, slot_mapping, k_scale, v_scale)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
-               k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+               k_scale: float = 1.0, v_scale: float = 1.0, causal: bool = True, window: int = 0) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         plan = self.plan(metadata, num_tokens, num_heads, kv_cache.shape[3], head_dim, q.device, kv_cache.dtype == FP8_KV_DTYPE)
         return self._attention.paged_attention(
@@ -102,4 +108,6 @@ class TritonAttentionBackend(AttentionBackend):
             plan,
             k_scale=k_scale,
             v_scale=v_scale,
+            causal=causal,
+            window=window,
         )
