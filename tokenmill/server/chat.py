@@ -14,6 +14,8 @@ from typing import Any
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.server.protocol import ChatCompletionTool, ChatMessage, NamedToolChoice
+from tokenmill.server.schema_check import check_schema
+from tokenmill.server.validation import clip
 
 _RESERVED_TEMPLATE_KWARGS = {
     "conversation", "messages", "tokenize", "return_dict", "return_tensors", "chat_template",
@@ -178,19 +180,17 @@ class ChatRenderer:
 
 
 def check_json_schema(schema: Any, what: str) -> None:
-    """InvalidRequestError unless `schema` is a usable JSON schema."""
+    """InvalidRequestError unless `schema` is a usable JSON schema (a large one is checked in a
+    process of its own: schema_check.py)."""
     if not isinstance(schema, dict):
         raise InvalidRequestError(f"{what} must be a JSON schema object")
     try:
-        import jsonschema
-    except ImportError:  # pragma: no cover - jsonschema comes with the server's dependencies
-        return
-    try:
-        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        raise InvalidRequestError(f"{what} is not a valid JSON schema: {exc.message}") from exc
-    except Exception as exc:
-        raise InvalidRequestError(f"{what} is not a valid JSON schema: {exc}") from exc
+        size = len(json.dumps(schema))
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise InvalidRequestError(f"{what} is not a valid JSON schema: {type(exc).__name__}") from exc
+    problem = check_schema(schema, size)
+    if problem is not None:
+        raise InvalidRequestError(f"{what} is not a valid JSON schema: {clip(problem)}")
 
 
 def check_tools(tools: list[ChatCompletionTool]) -> None:
