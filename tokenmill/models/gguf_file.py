@@ -11,10 +11,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.models.gguf_dequant import FAST_DEQUANTIZERS
+from tokenmill.models.gguf_header import GGUFTensor, read_gguf_header
 
 # GGUF architecture names; see gguf_config.py for the transformers configs they become.
 SUPPORTED_GGUF_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
@@ -55,32 +57,6 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _NON_PARAMETER_TENSORS: frozenset[str] = frozenset({"rope_freqs.weight"})
 
 
-_NATIVE_ORDERS = frozenset({None, "I", "=", "<" if sys.byteorder == "little" else ">"})
-
-
-class _Reader(GGUFReader):
-    """gguf's reader over a plain ndarray view of its memory map, with a leaner `_get`: the same
-    fields and tensors (tests/models/test_gguf_reader.py compares them), several times faster to
-    parse. np.memmap runs Python code (`__array_finalize__`) on every slice, and parsing a
-    vocabulary takes hundreds of thousands of slices; tensor data come out as ndarrays too, so
-    dequantizing them skips that cost as well."""
-
-    @property  # type: ignore[override]
-    def data(self) -> np.ndarray:
-        return self._data
-
-    @data.setter
-    def data(self, value: np.ndarray) -> None:
-        self._data = value.view(np.ndarray)
-
-    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
-        dtype = np.dtype(dtype)
-        count = int(count)
-        arr = self._data[offset : offset + dtype.itemsize * count].view(dtype)[:count]
-        order = self.byte_order if override_order is None else override_order
-        return arr if order in _NATIVE_ORDERS else arr.view(dtype.newbyteorder(order))
-
-
 def hf_param_name(gguf_name: str) -> str | None:
     """The Hugging Face parameter name of a GGUF tensor, or None when it has none. Stacked experts
     name every expert's tensor: `...mlp.experts.{}.gate_proj.weight`, `{}` for the expert index."""
@@ -103,26 +79,21 @@ class GGUFCheckpoint:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            self._reader = _Reader(path, "r")
-        except Exception as e:  # the reader raises ValueError/struct/IndexError on bad bytes
+            header = read_gguf_header(path)
+        except Exception as e:  # ValueError, struct.error, UnicodeDecodeError, ... on bad bytes
             raise ModelLoadError(
                 f"{path}: not a readable GGUF file ({type(e).__name__}: {e}). "
                 "The file is truncated, corrupt or not GGUF; download it again or pass another model."
             ) from e
-        self.tensors: dict[str, ReaderTensor] = {t.name: t for t in self._reader.tensors}
+        self.fields: dict[str, Any] = header.fields
+        self.tensors: dict[str, GGUFTensor] = header.tensors
         self.arch: str = self.get_str("general.architecture") or ""
 
     def has(self, key: str) -> bool:
-        return key in self._reader.fields
+        return key in self.fields
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self._reader.fields.get(key)
-        if field is None:
-            return default
-        try:
-            return field.contents()
-        except Exception as e:
-            raise ModelLoadError(f"{self.path}: metadata key {key!r} is unreadable ({e})") from e
+        return self.fields.get(key, default)
 
     def get_str(self, key: str, default: str | None = None) -> str | None:
         value = self.get(key, default)
@@ -189,6 +160,9 @@ class GGUFCheckpoint:
                 return torch.from_numpy(raw).view(torch.bfloat16)
             if qtype in (_Q.F32, _Q.F16):
                 return torch.from_numpy(np.array(t.data, copy=True).reshape(shape))
+            fast = FAST_DEQUANTIZERS.get(qtype)
+            if fast is not None:
+                return fast(t.data).reshape(shape)
             return torch.from_numpy(np.ascontiguousarray(dequantize(t.data, qtype)).reshape(shape))
         except ModelLoadError:
             raise
@@ -204,7 +178,7 @@ def _open_cached(path: Path, size: int, mtime_ns: int) -> GGUFCheckpoint:
 
 
 def open_gguf(path: Path) -> GGUFCheckpoint:
-    """Open a GGUF file; the parsed header is cached (parsing a vocabulary takes seconds)."""
+    """Open a GGUF file; the parsed header is cached (the config, the tokenizer and the weights all read it)."""
     try:
         st = path.stat()
     except OSError as e:
