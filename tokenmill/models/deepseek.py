@@ -34,6 +34,7 @@ from tokenmill.layers.moe import PACKED as MOE_PACKED
 from tokenmill.layers.moe import SparseMoeBlock
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.step_context import StepContext
+from tokenmill.models.decoder_stack import run_decoder_layers
 from tokenmill.models.interface import CausalLM, ModelBuild, MTPHead
 from tokenmill.models.llama import dense_mlp
 from tokenmill.models.weights import PackedModules, load_checkpoint
@@ -92,11 +93,7 @@ class DeepseekModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, build.use_triton)
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for i, layer in enumerate(self.layers):
-            if i in ctx.keep_hidden:  # the residual stream entering layer i
-                ctx.hidden[i] = x if residual is None else x + residual
-            x, residual = layer(x, residual, ctx)
+        x, residual = run_decoder_layers(self.embed_tokens(input_ids), self.layers, ctx)
         return self.norm(x, residual)[0]
 
 

@@ -97,7 +97,8 @@ class _Cursor:
 def read_gguf_header(path: Path) -> GGUFHeader:
     """The metadata and tensor table of the GGUF file at `path` (ValueError, struct.error or
     UnicodeDecodeError on bytes that are not a GGUF file)."""
-    data = np.memmap(path, mode="c").view(np.ndarray)  # copy-on-write: writable views (torch takes them without a warning), the file untouched
+    # copy-on-write: writable views (torch takes them without a warning), the file untouched
+    data = np.memmap(path, mode="c").view(np.ndarray)
     buffer = memoryview(data)
     if bytes(buffer[:4]) != GGUF_MAGIC:
         raise ValueError("GGUF magic invalid")

@@ -33,6 +33,7 @@ from tokenmill.layers.moe import SparseMoeBlock
 from tokenmill.layers.norm import ZeroCenteredRMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.layers.step_context import StepContext
+from tokenmill.models.decoder_stack import run_decoder_layers
 from tokenmill.models.interface import CausalLM, ModelBuild, MTPHead
 from tokenmill.models.llama import PACKED, Attention, Variant, dense_mlp, head_dim_of
 from tokenmill.models.qwen_moe import is_sparse_layer
@@ -142,11 +143,7 @@ class Qwen3NextForCausalLM(CausalLM):
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         recurrent = RecurrentBatch.of(ctx) if self.has_recurrent_layers else None
-        x, residual = self.embed_tokens(input_ids), None
-        for i, layer in enumerate(self.layers):
-            if i in ctx.keep_hidden:  # the residual stream entering layer i
-                ctx.hidden[i] = x if residual is None else x + residual
-            x, residual = layer(x, residual, ctx, recurrent)
+        x, residual = run_decoder_layers(self.embed_tokens(input_ids), self.layers, ctx, recurrent)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
