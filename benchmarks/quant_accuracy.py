@@ -1,7 +1,7 @@
 """Accuracy of `tokenmill quantize` on the real SmolLM2-135M (CPU): teacher-forced KL, top-1
 agreement and perplexity of each quantized checkpoint against the model it was made from.
 
-    python benchmarks/quant_accuracy.py [--formats fp8 fp8-block mxfp8] [--eval-tokens 4096]
+    python benchmarks/quant_accuracy.py [--formats fp8 fp8-block mxfp8 nvfp4 nvfp4+gptq] [--eval-tokens 4096]
                                         [--calibration-tokens 2048] [--model PATH] [--work DIR] [--json out.json]
 
 The embedded SmolLM2 GGUF is itself Q4_1: the reference is that model as tokenmill reads it,
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--formats", nargs="+", default=["fp8", "fp8-block", "mxfp8"])
     parser.add_argument("--eval-tokens", type=int, default=4096)
-    parser.add_argument("--calibration-tokens", type=int, default=2048)
+    parser.add_argument("--calibration-tokens", type=int, default=None, help="default: the quantize tool's")
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct GGUF")
     parser.add_argument("--work", type=Path, default=None, help="where the quantized checkpoints go (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None)
@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         out = work / fmt
         if not (args.reuse and (out / "config.json").is_file()):
-            quantize_checkpoint(QuantizeRequest(args.model, fmt, out, calibration_tokens=args.calibration_tokens))
+            base, _, rounding = fmt.partition("+")  # "nvfp4+gptq": the format, rounded by GPTQ
+            quantize_checkpoint(QuantizeRequest(args.model, base, out, calibration_tokens=args.calibration_tokens,
+                                                gptq=rounding == "gptq"))
             print(f"{fmt}: quantized in {time.perf_counter() - started:.1f} s -> {out}", file=sys.stderr)
         models[fmt] = load(str(out))
 

@@ -140,16 +140,24 @@ def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, amax / (E2M1_MAX * FP8_E4M3_MAX), torch.ones_like(amax))
 
 
-def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def nvfp4_block_scale(amax: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """The E4M3 scale of NVFP4 groups whose largest |x| is `amax`: amax / (6 * global) clamped to
+    [2^-9, 448], rounded to E4M3."""
+    return (amax.float() / (E2M1_MAX * global_scale.float())).clamp(NVFP4_SCALE_MIN, FP8_E4M3_MAX).to(FP8_E4M3)
+
+
+def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor,
+                   scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] (K a multiple of NVFP4_GROUP) -> (packed E2M1 codes uint8 [..., K / 2], E4M3
     scales [..., K / 16]) under global_scale (float32, broadcast over the rows: 0-d or [..., 1]):
-    each group's scale is its amax / (6 * global) clamped to [2^-9, 448] and rounded to E4M3,
+    each group's scale is nvfp4_block_scale of its amax (or the given `scale`, as GPTQ fixed it),
     each element x / (scale * global) rounded to E2M1 (nearest, ties to even, saturating)."""
     if x.shape[-1] % NVFP4_GROUP:
         raise ValueError(f"NVFP4 takes whole groups of {NVFP4_GROUP} along the last dimension, got {x.shape[-1]}")
     groups = x.float().unflatten(-1, (-1, NVFP4_GROUP))
     g = global_scale.float()[..., None]
-    scale = (groups.abs().amax(dim=-1) / (E2M1_MAX * g[..., 0])).clamp(NVFP4_SCALE_MIN, FP8_E4M3_MAX).to(FP8_E4M3)
+    if scale is None:
+        scale = nvfp4_block_scale(groups.abs().amax(dim=-1), g[..., 0])
     codes = e2m1_encode(groups / (scale.float()[..., None] * g))
     return pack_nibbles(codes.flatten(-2)), scale
 

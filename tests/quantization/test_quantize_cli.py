@@ -202,3 +202,23 @@ def test_a_draft_vocabulary_over_a_quantized_head_is_refused(checkpoints, tmp_pa
     spec = {"method": "draft_model", "model": str(draft), "draft_vocab": str(vocab)}
     with pytest.raises(ConfigError, match="stores that head quantized; quantize the draft with --exclude lm_head"):
         LLM(str(checkpoints["llama"]), device="cpu", max_model_len=128, kv_cache_bytes=1 << 22, speculative_config=spec)
+
+
+def test_gptq_writes_an_ordinary_checkpoint_of_its_format(checkpoints, tmp_path: Path) -> None:
+    """--gptq (routed experts round to nearest): the loaded engine multiplies what the stored
+    tensors dequantize to, generation equals the dequantized weights', the linear layers' roundings
+    differ from round-to-nearest's, and a format without GPTQ rounding is refused."""
+    directory = quantized(checkpoints, "qwen3_moe", "nvfp4", "--gptq")
+    stored, nearest = on_disk_dequantized(directory, "nvfp4"), on_disk_dequantized(quantized(checkpoints, "qwen3_moe",
+                                                                                             "nvfp4"), "nvfp4")
+    model = LLM(str(directory), device="cpu", max_model_len=64, kv_cache_bytes=1 << 20).engine.runner.model
+    attention = model.model.layers[0].self_attn.qkv_proj.dequantized_weight()
+    assert torch.equal(attention, torch.cat([stored[f"model.layers.0.self_attn.{p}_proj"] for p in "qkv"]))
+    assert not torch.equal(stored["model.layers.0.self_attn.q_proj"], nearest["model.layers.0.self_attn.q_proj"])
+    assert torch.equal(stored["model.layers.0.mlp.experts.0.down_proj"], nearest["model.layers.0.mlp.experts.0.down_proj"])
+    original = load_file(str(checkpoints["qwen3_moe"] / "model.safetensors"))
+    for module, weight in stored.items():
+        assert (weight - original[f"{module}.weight"]).abs().max() <= original[f"{module}.weight"].abs().max() * 0.5, module
+    assert greedy(directory) == greedy(dequantized_oracle(directory, "nvfp4", tmp_path / "oracle"))
+    with pytest.raises(ConfigError, match="--gptq: the fp8 encoder has no GPTQ rounding; formats with one: nvfp4"):
+        quantize_checkpoint(QuantizeRequest(str(checkpoints["llama"]), "fp8", tmp_path / "x", gptq=True))

@@ -27,7 +27,29 @@ Calibration = Mapping[str, torch.Tensor]
                    largest |w| over the group (the shards of a fused projection, q/k/v or gate/up,
                    and a MoE expert's gate and up, which ModelOpt's NVFP4 stores with one
                    weight_scale_2); absent: the weight's own amax
+
+plus, after GPTQ, what the format's GroupRounding.fixed() gave (the scales the rounded weight
+sits on, which the encoder then uses instead of deriving its own).
 """
+
+
+class GroupRounding(ABC):
+    """A format's rounding of one weight [N, K] group by group of `group` input columns, for
+    GPTQ (quantize/gptq.py), which walks the columns in order."""
+
+    group: int
+
+    @abstractmethod
+    def start_group(self, index: int, values: torch.Tensor) -> None:
+        """Fix the scales of column group `index` from its current values [N, group]."""
+
+    @abstractmethod
+    def round(self, index: int, column: torch.Tensor) -> torch.Tensor:
+        """Column [N] of group `index` rounded to the format: float32, as a reader decodes it."""
+
+    @abstractmethod
+    def fixed(self) -> dict[str, torch.Tensor]:
+        """Calibration entries that make encode() write the rounded weight under the scales used."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +80,11 @@ class CheckpointEncoder(ABC):
     def layer_entry(self) -> dict[str, Any]:
         """This format's settings for one layer, as a MIXED_PRECISION `quantized_layers` entry
         (e.g. {"quant_algo": "NVFP4", "group_size": 16})."""
+
+    def group_rounding(self, weight: torch.Tensor, calibration: Calibration) -> GroupRounding | None:
+        """How GPTQ rounds this layer (weight float32 [N, K]) in this format; None where the format
+        has no GPTQ rounding (the writer then refuses --gptq for it)."""
+        return None
 
     @abstractmethod
     def config_files(self, exclude: Sequence[str]) -> CheckpointConfigFiles:

@@ -25,9 +25,23 @@ from typing import Any
 import torch
 
 from tokenmill.errors import ConfigError
-from tokenmill.numerics import NVFP4_GROUP, nvfp4_global_scale, quantize_nvfp4
+from tokenmill.numerics import (
+    FP8_E4M3,
+    NVFP4_GROUP,
+    e2m1_decode,
+    e2m1_encode,
+    nvfp4_block_scale,
+    nvfp4_global_scale,
+    quantize_nvfp4,
+)
 from tokenmill.quantization.base import FusedMoEMethod, LinearMethod
-from tokenmill.quantization.encoding import Calibration, CheckpointConfigFiles, CheckpointEncoder, modelopt_config_files
+from tokenmill.quantization.encoding import (
+    Calibration,
+    CheckpointConfigFiles,
+    CheckpointEncoder,
+    GroupRounding,
+    modelopt_config_files,
+)
 from tokenmill.quantization.format_base import CheckpointFormat, EngineChoices, FormatSettings, setting
 from tokenmill.quantization.nvfp4 import W4A4, W4A16, Nvfp4LinearMethod
 from tokenmill.quantization.nvfp4_experts import Nvfp4FusedMoEMethod
@@ -90,6 +104,31 @@ class W4A16Nvfp4Config(Nvfp4Config):
     quant_algo = "W4A16_NVFP4"
 
 
+BLOCK_SCALE = "weight_block_scale"
+"""Calibration entry: E4M3 scales [N, K / 16] fixed by GPTQ, used instead of the weight's own."""
+
+
+class Nvfp4Rounding(GroupRounding):
+    """NVFP4 for GPTQ: a group's E4M3 scale from its values when the walk reaches it (the encoder's
+    rule), each column rounded to E2M1 under it and decoded as readers decode it."""
+
+    group = NVFP4_GROUP
+
+    def __init__(self, rows: int, columns: int, global_scale: torch.Tensor) -> None:
+        self.global_scale = global_scale
+        self.scales = torch.empty(rows, columns // NVFP4_GROUP, dtype=FP8_E4M3)
+
+    def start_group(self, index: int, values: torch.Tensor) -> None:
+        self.scales[:, index] = nvfp4_block_scale(values.abs().amax(dim=-1), self.global_scale).cpu()
+
+    def round(self, index: int, column: torch.Tensor) -> torch.Tensor:
+        scale = self.scales[:, index].to(column.device).float()
+        return e2m1_decode(e2m1_encode(column / (scale * self.global_scale))) * scale * self.global_scale
+
+    def fixed(self) -> dict[str, torch.Tensor]:
+        return {BLOCK_SCALE: self.scales}
+
+
 class Nvfp4Encoder(CheckpointEncoder):
     """ModelOpt NVFP4: weight_scale_2 = amax / (6 * 448) over the layer (or its fused group: the
     calibration's weight_amax), E4M3 scales per 16, static input scale input_amax / (6 * 448)."""
@@ -99,11 +138,14 @@ class Nvfp4Encoder(CheckpointEncoder):
     column_group = NVFP4_GROUP
 
     def encode(self, name: str, weight: torch.Tensor, calibration: Calibration) -> dict[str, torch.Tensor]:
-        amax = calibration.get("weight_amax", weight.abs().amax())
-        global_scale = nvfp4_global_scale(amax)
-        packed, scale = quantize_nvfp4(weight, global_scale)
+        global_scale = nvfp4_global_scale(calibration.get("weight_amax", weight.abs().amax()))
+        packed, scale = quantize_nvfp4(weight, global_scale, calibration.get(BLOCK_SCALE))
         return {"weight": packed, "weight_scale": scale, "weight_scale_2": global_scale,
                 "input_scale": nvfp4_global_scale(calibration["input_amax"])}
+
+    def group_rounding(self, weight: torch.Tensor, calibration: Calibration) -> Nvfp4Rounding:
+        global_scale = nvfp4_global_scale(calibration.get("weight_amax", weight.abs().amax()))
+        return Nvfp4Rounding(weight.shape[0], weight.shape[1], global_scale)
 
     def layer_entry(self) -> dict[str, Any]:
         return {"quant_algo": self.quant_algo, "group_size": NVFP4_GROUP}

@@ -1,6 +1,7 @@
 """Calibration for `tokenmill quantize`: the model in float32, forwards over the shipped corpus,
 and the largest |x| entering every linear layer and every routed expert (gate/up input, and the
-SiLU-and-mul product entering its down projection), by the checkpoint's module names.
+SiLU-and-mul product entering its down projection), by the checkpoint's module names; for GPTQ
+also Σ xᵀx of every linear layer's inputs.
 
 The model runs through tokenmill's own layers and reference attention into scratch caches, a
 sequence of at most SEQUENCE_TOKENS tokens per forward, so calibration sees what serving computes.
@@ -21,6 +22,7 @@ from tokenmill.layers.linear import Linear
 from tokenmill.layers.moe.fused_moe import FusedMoE
 from tokenmill.layers.step_context import StepContext
 from tokenmill.models.interface import CausalLM
+from tokenmill.quantize.gptq import HessianSum
 from tokenmill.runner.batch import Chunk, pack
 
 SEQUENCE_TOKENS = 512
@@ -32,11 +34,14 @@ class ActivationAmax:
     """Largest |x| seen per model module (Linear: its input) and per routed expert."""
 
     linear: dict[str, float] = field(default_factory=dict)
+    hessians: HessianSum | None = None  # also Σ xᵀx of every linear layer's inputs (for GPTQ) when given
     expert_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # [E] amax of the tokens routed to e
     expert_hidden: dict[str, torch.Tensor] = field(default_factory=dict)  # [E] amax entering each down projection
 
     def note_linear(self, path: str, x: torch.Tensor) -> None:
         self.linear[path] = max(self.linear.get(path, 0.0), float(x.detach().abs().amax()) if x.numel() else 0.0)
+        if self.hessians is not None:
+            self.hessians.note(path, x)
 
     def note_experts(self, path: str, layer: FusedMoE, x: torch.Tensor, topk_ids: torch.Tensor) -> None:
         experts = layer.num_experts
@@ -85,8 +90,9 @@ def run_calibration(model: CausalLM, token_ids: list[int], device: torch.device,
 
 
 def calibrate(model: CausalLM, token_ids: list[int], device: torch.device, what: str,
-              only: Callable[[str], bool] = lambda path: True, progress: bool = True) -> ActivationAmax:
-    amax = ActivationAmax()
+              only: Callable[[str], bool] = lambda path: True, progress: bool = True,
+              hessians: HessianSum | None = None) -> ActivationAmax:
+    amax = ActivationAmax(hessians=hessians)
     handles = record_activations(model, amax, only)
     try:
         run_calibration(model, token_ids, device, what, progress, head=only("lm_head"))

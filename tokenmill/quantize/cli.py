@@ -41,8 +41,13 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--draft", action="store_true",
                         help="a draft model: quantize the body first, then the output head calibrated on the "
                              "activations the quantized body produces")
-    parser.add_argument("--calibration-tokens", type=int, default=2048, metavar="N",
-                        help="tokens of the shipped corpus the calibration forwards read")
+    parser.add_argument("--gptq", action="store_true",
+                        help="round the linear layers' weights with GPTQ (each column's rounding error spread over the "
+                             "columns not yet rounded, through the calibration inputs' Hessian) instead of to nearest; "
+                             "the file is an ordinary checkpoint of the format (nvfp4)")
+    parser.add_argument("--calibration-tokens", type=int, default=None, metavar="N",
+                        help="tokens of the shipped corpus the calibration forwards read (default: 2048, or 8192 "
+                             "with --gptq)")
     parser.add_argument("--device", default="cpu", help="where calibration runs: cpu or cuda")
     parser.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
     parser.set_defaults(handler=run)
@@ -53,10 +58,11 @@ def run(args: argparse.Namespace) -> int:
     from tokenmill.errors import ConfigError
     from tokenmill.quantize.writer import QuantizeRequest, quantize_checkpoint
 
-    if args.calibration_tokens < 1:
+    if args.calibration_tokens is not None and args.calibration_tokens < 1:
         raise ConfigError("--calibration-tokens must be at least 1")
     out = quantize_checkpoint(QuantizeRequest(
         model=args.model, format=args.format, out=args.out, exclude=tuple(args.exclude), draft=args.draft,
-        calibration_tokens=args.calibration_tokens, device=args.device, progress=not args.no_progress))
+        calibration_tokens=args.calibration_tokens, device=args.device, progress=not args.no_progress,
+        gptq=args.gptq))
     print(f"wrote {out}")
     return 0

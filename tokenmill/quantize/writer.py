@@ -3,6 +3,9 @@ gates aside) encoded by the format's encoder under its checkpoint name, every ot
 the checkpoint stores it, then config.json (with quantization_config), hf_quant_config.json
 where the format's convention has one, and the tokenizer.
 
+With `gptq`, every linear layer's weight is rounded by GPTQ (quantize/gptq.py) on the Hessian of
+its calibration inputs before the encoder writes it (routed experts round to nearest).
+
 With `draft`, the body is quantized first and written into the float32 model as its dequantized
 values, and the output head is calibrated on the activations that quantized body produces, then
 quantized too (a tied head is written as a quantized lm_head of its own).
@@ -38,12 +41,15 @@ from tokenmill.quantization.detect import read_quant_spec
 from tokenmill.quantization.encoding import CheckpointEncoder
 from tokenmill.quantization.registry import ENCODERS, FORMATS
 from tokenmill.quantize.calibrate import SEQUENCE_TOKENS, ActivationAmax, calibrate, quantizable_modules
+from tokenmill.quantize.gptq import HessianSum, gptq_round
 from tokenmill.runner.kv_calibration import calibration_token_ids
 from tokenmill.runner.model_builder import build_model
 
 logger = logging.getLogger("tokenmill.quantize")
 
 SHARD_BYTES = 4 << 30
+CALIBRATION_TOKENS = 2048
+GPTQ_CALIBRATION_TOKENS = 8192  # GPTQ's Hessians want more tokens than amax does (benchmarks/RESULTS.md)
 HEAD = "lm_head"
 
 
@@ -54,20 +60,25 @@ class QuantizeRequest:
     out: Path
     exclude: Sequence[str] = ()
     draft: bool = False
-    calibration_tokens: int = 2048
+    calibration_tokens: int | None = None  # CALIBRATION_TOKENS, or GPTQ_CALIBRATION_TOKENS with gptq
     device: str = "cpu"
     progress: bool = True
+    gptq: bool = False
 
 
-def encoder_for(fmt: str) -> CheckpointEncoder:
+def encoder_for(fmt: str, gptq: bool = False) -> CheckpointEncoder:
     if fmt not in ENCODERS:
         raise ConfigError(f"--format {fmt}: this build of tokenmill has no {fmt} encoder; available: {', '.join(ENCODERS)}")
-    return ENCODERS[fmt]()
+    encoder = ENCODERS[fmt]()
+    if gptq and type(encoder).group_rounding is CheckpointEncoder.group_rounding:
+        with_gptq = [name for name, cls in ENCODERS.items() if cls.group_rounding is not CheckpointEncoder.group_rounding]
+        raise ConfigError(f"--gptq: the {fmt} encoder has no GPTQ rounding; formats with one: {', '.join(with_gptq)}")
+    return encoder
 
 
 def quantize_checkpoint(request: QuantizeRequest) -> Path:
     """Calibrate, encode and write; returns the output directory."""
-    encoder = encoder_for(request.format)
+    encoder = encoder_for(request.format, request.gptq)
     source = resolve_model(request.model)
     hf_config = load_hf_config(source)
     if read_quant_spec(getattr(hf_config, "quantization_config", None), load_hf_quant_config(source)) is not None:
@@ -77,13 +88,15 @@ def quantize_checkpoint(request: QuantizeRequest) -> Path:
     model = build_model(build, source, dtype=torch.float32, device=device, dummy_seed=None)
     names = list(checkpoint_tensor_dtypes(source) or (name for name, _ in iter_weights(source)))
     plan = _Plan(model, names, encoder, request)
-    token_ids, what = calibration_token_ids(source, hf_config.vocab_size, request.calibration_tokens)
-    amax = calibrate(model, token_ids, device, f"{what}, body", lambda path: path != HEAD, request.progress)
+    tokens = request.calibration_tokens or (GPTQ_CALIBRATION_TOKENS if request.gptq else CALIBRATION_TOKENS)
+    token_ids, what = calibration_token_ids(source, hf_config.vocab_size, tokens)
+    hessians = HessianSum() if request.gptq else None
+    amax = calibrate(model, token_ids, device, f"{what}, body", lambda path: path != HEAD, request.progress, hessians)
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in iter_weights(source):
         module = name.removesuffix(".weight")
         if name.endswith(".weight") and module in plan.quantized:
-            encoded = plan.encode(module, tensor, amax)
+            encoded = plan.encode(module, tensor, amax, hessians)
             tensors.update({f"{module}.{suffix}": t for suffix, t in encoded.items()})
         else:
             tensors[name] = tensor
@@ -159,13 +172,21 @@ class _Plan:
             self._group_amax[(path, expert)] = weight.detach().abs().amax().float().cpu()
         return self._group_amax[(path, expert)]
 
-    def encode(self, module: str, tensor: torch.Tensor, amax: ActivationAmax) -> dict[str, torch.Tensor]:
+    def encode(self, module: str, tensor: torch.Tensor, amax: ActivationAmax,
+               hessians: HessianSum | None = None) -> dict[str, torch.Tensor]:
         weight = tensor.detach().float().cpu()
         group = self.encoder.column_group
         if weight.shape[-1] % group:
             raise ConfigError(f"{module}: {weight.shape[-1]} input columns are not a multiple of {group}, which "
                               f"{self.encoder.quant_algo} needs; keep it in high precision with --exclude {module}")
-        encoded = self.encoder.encode(module, weight, self.calibration(module, amax))
+        calibration = self.calibration(module, amax)
+        path = self.quantized.get(module, (HEAD, None))[0]
+        if hessians is not None and path in hessians.sums:  # a linear layer (routed experts round to nearest)
+            rounding = self.encoder.group_rounding(weight, calibration)
+            assert rounding is not None  # encoder_for refused --gptq without one
+            weight = gptq_round(weight, hessians.sums[path], rounding)
+            calibration = {**calibration, **rounding.fixed()}
+        encoded = self.encoder.encode(module, weight, calibration)
         if self.draft and module != HEAD:  # the head then sees the quantized body's activations
             dequantized = read_back(self.encoder, module, encoded, weight.shape)
             self.loader.load(f"{module}.weight", dequantized.to(next(self.model.parameters()).device))
