@@ -20,7 +20,9 @@ Formats:
   nvfp4      ModelOpt NVFP4 (when this build has its encoder)
 
 Calibration runs the float32 model over the shipped corpus (Newton's Opticks) and records the
-largest |x| entering every layer and expert. Embeddings, norms, MoE routers and the output head
+largest |x| entering every layer and expert; weights round to nearest, or with --gptq by GPTQ
+(act-order, on the Hessian of each layer's calibration inputs; NVFP4), which loses much less at
+4 bits for a minute of calibration. Embeddings, norms, MoE routers and the output head
 stay as the checkpoint stores them; with --draft the output head is quantized too, calibrated on
 the activations of the already quantized body (for a draft model's head)."""
 
