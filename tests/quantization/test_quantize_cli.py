@@ -222,3 +222,24 @@ def test_gptq_writes_an_ordinary_checkpoint_of_its_format(checkpoints, tmp_path:
     assert greedy(directory) == greedy(dequantized_oracle(directory, "nvfp4", tmp_path / "oracle"))
     with pytest.raises(ConfigError, match="--gptq: the fp8 encoder has no GPTQ rounding; formats with one: nvfp4"):
         quantize_checkpoint(QuantizeRequest(str(checkpoints["llama"]), "fp8", tmp_path / "x", gptq=True))
+
+
+def test_gptq_layer_by_layer_when_the_hessians_do_not_fit_at_once(checkpoints, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """With room for one layer's Hessians at a time, each layer's come from forwards through the
+    layers before it already rounded (stopped after it): roundings differ from the one-pass
+    checkpoint's past the first layer, and the checkpoint still generates as its dequantized weights."""
+    import tokenmill.quantize.writer as writer
+
+    one_pass = on_disk_dequantized(quantized(checkpoints, "llama", "nvfp4", "--gptq"), "nvfp4")
+    monkeypatch.setattr(writer, "HESSIAN_BYTES", 1)
+    forwards = []
+    real = writer.calibrate
+    monkeypatch.setattr(writer, "calibrate", lambda *a, **k: forwards.append(k.get("stop_after")) or real(*a, **k))
+    directory = quantized(checkpoints, "llama", "nvfp4", "--gptq", "--calibration-tokens", "48")
+    layered = on_disk_dequantized(directory, "nvfp4")
+    assert len(forwards) == 1 + 2 and forwards[0] is None and all(f is not None for f in forwards[1:])
+    assert all(torch.equal(layered[f"model.layers.0.{p}"], one_pass[f"model.layers.0.{p}"])
+               for p in ("self_attn.q_proj", "mlp.down_proj"))
+    assert not torch.equal(layered["model.layers.1.self_attn.q_proj"], one_pass["model.layers.1.self_attn.q_proj"])
+    assert greedy(directory) == greedy(dequantized_oracle(directory, "nvfp4", tmp_path / "oracle"))

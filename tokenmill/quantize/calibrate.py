@@ -80,22 +80,39 @@ def sequence_logits(model: CausalLM, token_ids: list[int], device: torch.device,
     return model.compute_logits(hidden[-1:] if last_only else hidden)
 
 
+class _Enough(Exception):
+    """Raised by the hook on `stop_after`: the rest of the forward is not needed."""
+
+
 def run_calibration(model: CausalLM, token_ids: list[int], device: torch.device, what: str,
-                    progress: bool = True, head: bool = False) -> None:
+                    progress: bool = True, head: bool = False, stop_after: nn.Module | None = None) -> None:
     """Forward every SEQUENCE_TOKENS-token slice of token_ids (each a sequence of its own); with
-    `head`, the logits of every position (so a hook on the output head sees all its inputs)."""
+    `head`, the logits of every position (so a hook on the output head sees all its inputs); with
+    `stop_after`, each forward ends once that module has run."""
     slices = [token_ids[i: i + SEQUENCE_TOKENS] for i in range(0, len(token_ids), SEQUENCE_TOKENS)]
-    for chunk in tqdm(slices, desc=f"calibrating ({what})", unit="seq", disable=not progress):
-        sequence_logits(model, chunk, device, last_only=not head)
+    handle = None
+    if stop_after is not None:
+        def enough(module: nn.Module, args: object, output: object) -> None:
+            raise _Enough
+        handle = stop_after.register_forward_hook(enough)
+    try:
+        for chunk in tqdm(slices, desc=f"calibrating ({what})", unit="seq", disable=not progress):
+            try:
+                sequence_logits(model, chunk, device, last_only=not head)
+            except _Enough:
+                pass
+    finally:
+        if handle is not None:
+            handle.remove()
 
 
 def calibrate(model: CausalLM, token_ids: list[int], device: torch.device, what: str,
               only: Callable[[str], bool] = lambda path: True, progress: bool = True,
-              hessians: HessianSum | None = None) -> ActivationAmax:
+              hessians: HessianSum | None = None, stop_after: nn.Module | None = None) -> ActivationAmax:
     amax = ActivationAmax(hessians=hessians)
     handles = record_activations(model, amax, only)
     try:
-        run_calibration(model, token_ids, device, what, progress, head=only("lm_head"))
+        run_calibration(model, token_ids, device, what, progress, head=only("lm_head"), stop_after=stop_after)
     finally:
         for handle in handles:
             handle.remove()

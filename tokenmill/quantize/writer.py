@@ -4,7 +4,8 @@ the checkpoint stores it, then config.json (with quantization_config), hf_quant_
 where the format's convention has one, and the tokenizer.
 
 With `gptq`, every linear layer's weight is rounded by GPTQ (quantize/gptq.py) on the Hessian of
-its calibration inputs before the encoder writes it (routed experts round to nearest).
+its calibration inputs, decoder layer after decoder layer (_gptq_rounded), before the encoder
+writes it (routed experts round to nearest).
 
 With `draft`, the body is quantized first and written into the float32 model as its dequantized
 values, and the output head is calibrated on the activations that quantized body produces, then
@@ -15,12 +16,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
 from tokenmill.errors import ConfigError
 from tokenmill.layers.attention import TorchReferenceBackend
@@ -38,7 +41,7 @@ from tokenmill.models.loader import (
 from tokenmill.models.weights import CheckpointLoader, PackedNames
 from tokenmill.quantization.checkpoint import excluded
 from tokenmill.quantization.detect import read_quant_spec
-from tokenmill.quantization.encoding import CheckpointEncoder
+from tokenmill.quantization.encoding import Calibration, CheckpointEncoder
 from tokenmill.quantization.registry import ENCODERS, FORMATS
 from tokenmill.quantize.calibrate import SEQUENCE_TOKENS, ActivationAmax, calibrate, quantizable_modules
 from tokenmill.quantize.gptq import HessianSum, gptq_round
@@ -48,6 +51,9 @@ from tokenmill.runner.model_builder import build_model
 logger = logging.getLogger("tokenmill.quantize")
 
 SHARD_BYTES = 4 << 30
+HESSIAN_BYTES = 4 << 30  # --gptq's float64 Hessians held at once; more layers than fit take more calibration passes
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_OUTSIDE_LAYERS = 1 << 30  # linear layers outside the decoder layers: GPTQ'd last
 CALIBRATION_TOKENS = 2048
 GPTQ_CALIBRATION_TOKENS = 8192  # GPTQ's Hessians want more tokens than amax does (benchmarks/RESULTS.md)
 HEAD = "lm_head"
@@ -90,13 +96,13 @@ def quantize_checkpoint(request: QuantizeRequest) -> Path:
     plan = _Plan(model, names, encoder, request)
     tokens = request.calibration_tokens or (GPTQ_CALIBRATION_TOKENS if request.gptq else CALIBRATION_TOKENS)
     token_ids, what = calibration_token_ids(source, hf_config.vocab_size, tokens)
-    hessians = HessianSum() if request.gptq else None
-    amax = calibrate(model, token_ids, device, f"{what}, body", lambda path: path != HEAD, request.progress, hessians)
+    amax = calibrate(model, token_ids, device, f"{what}, body", lambda path: path != HEAD, request.progress)
+    rounded = _gptq_rounded(plan, source, token_ids, device, amax, request.progress) if request.gptq else {}
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in iter_weights(source):
         module = name.removesuffix(".weight")
         if name.endswith(".weight") and module in plan.quantized:
-            encoded = plan.encode(module, tensor, amax, hessians)
+            encoded = plan.encode(module, tensor, amax, rounded.get(module))
             tensors.update({f"{module}.{suffix}": t for suffix, t in encoded.items()})
         else:
             tensors[name] = tensor
@@ -172,25 +178,72 @@ class _Plan:
             self._group_amax[(path, expert)] = weight.detach().abs().amax().float().cpu()
         return self._group_amax[(path, expert)]
 
-    def encode(self, module: str, tensor: torch.Tensor, amax: ActivationAmax,
-               hessians: HessianSum | None = None) -> dict[str, torch.Tensor]:
-        weight = tensor.detach().float().cpu()
+    def check_columns(self, module: str, weight: torch.Tensor) -> None:
         group = self.encoder.column_group
         if weight.shape[-1] % group:
             raise ConfigError(f"{module}: {weight.shape[-1]} input columns are not a multiple of {group}, which "
                               f"{self.encoder.quant_algo} needs; keep it in high precision with --exclude {module}")
-        calibration = self.calibration(module, amax)
-        path = self.quantized.get(module, (HEAD, None))[0]
-        if hessians is not None and path in hessians.sums:  # a linear layer (routed experts round to nearest)
-            rounding = self.encoder.group_rounding(weight, calibration)
-            assert rounding is not None  # encoder_for refused --gptq without one
-            weight = gptq_round(weight, hessians.sums[path], rounding)
-            calibration = {**calibration, **rounding.fixed()}
+
+    def encode(self, module: str, tensor: torch.Tensor, amax: ActivationAmax,
+               rounded: tuple[torch.Tensor, Calibration] | None = None) -> dict[str, torch.Tensor]:
+        """The module's on-disk tensors; `rounded`: GPTQ's weight and the calibration that writes it."""
+        weight = tensor.detach().float().cpu()
+        self.check_columns(module, weight)
+        weight, calibration = rounded if rounded is not None else (weight, self.calibration(module, amax))
         encoded = self.encoder.encode(module, weight, calibration)
         if self.draft and module != HEAD:  # the head then sees the quantized body's activations
             dequantized = read_back(self.encoder, module, encoded, weight.shape)
             self.loader.load(f"{module}.weight", dequantized.to(next(self.model.parameters()).device))
         return encoded
+
+
+def _gptq_rounded(plan: _Plan, source: CheckpointSource, token_ids: list[int], device: torch.device,
+                  amax: ActivationAmax, progress: bool) -> dict[str, tuple[torch.Tensor, Calibration]]:
+    """GPTQ's weight, and the calibration that writes it, of every quantized linear layer (routed
+    experts round to nearest). Decoder layers in order, as many at a time as HESSIAN_BYTES of
+    Hessians hold: a group's Hessians come from forwards (stopped after its last layer) through
+    the layers before it, which by then hold their rounded weights, as sequential GPTQ runs."""
+    model = plan.model
+    linears = {path: m for path, m in model.named_modules() if isinstance(m, Linear)}
+    by_layer: dict[int, list[str]] = {}
+    layer_module: dict[int, str] = {}
+    for module, (path, _) in plan.quantized.items():
+        if path in linears:
+            found = _LAYER_INDEX.search(path)
+            index = int(found[1]) if found else _OUTSIDE_LAYERS
+            by_layer.setdefault(index, []).append(module)
+            if found:
+                layer_module[index] = path[:found.end() - 1]
+    groups: list[list[int]] = []
+    held = 0
+    for index in sorted(by_layer):
+        need = sum(8 * linears[path].in_features ** 2 for path in {plan.quantized[m][0] for m in by_layer[index]})
+        if not groups or held + need > HESSIAN_BYTES:
+            groups.append([])
+            held = 0
+        groups[-1].append(index)
+        held += need
+    where = next(model.parameters()).device
+    results: dict[str, tuple[torch.Tensor, Calibration]] = {}
+    for group in tqdm(groups, desc="GPTQ", unit="group of layers", disable=not progress):
+        modules = [module for index in group for module in by_layer[index]]
+        paths = {plan.quantized[module][0] for module in modules}
+        hessians = HessianSum()
+        last = layer_module.get(group[-1])
+        calibrate(model, token_ids, device, "GPTQ", lambda path: path in paths, False, hessians,
+                  stop_after=model.get_submodule(last) if last is not None else None)
+        calibrations = {module: plan.calibration(module, amax) for module in modules}  # before any write-back
+        wanted = {f"{module}.weight" for module in modules}
+        for name, tensor in iter_weights(source, keep=lambda name: name in wanted):
+            module = name.removesuffix(".weight")
+            weight = tensor.detach().float().cpu()
+            plan.check_columns(module, weight)
+            rounding = plan.encoder.group_rounding(weight, calibrations[module])
+            assert rounding is not None  # encoder_for refused --gptq without one
+            weight = gptq_round(weight, hessians.sums[plan.quantized[module][0]], rounding)
+            results[module] = (weight, {**calibrations[module], **rounding.fixed()})
+            plan.loader.load(name, weight.to(where))
+    return results
 
 
 def read_back(encoder: CheckpointEncoder, module: str, encoded: dict[str, torch.Tensor],
