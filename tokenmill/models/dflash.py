@@ -28,14 +28,13 @@ rewritten by its next step's context) and attends over the cache.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from tokenmill.errors import ConfigError
-from tokenmill.kv.specs import FullAttentionSpec
-from tokenmill.layers.attention import AttentionBackend
+from tokenmill.layers.attention.paged_kv import PagedKVLayer
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.mlp import GatedMLP
 from tokenmill.layers.norm import RMSNorm
@@ -46,7 +45,6 @@ from tokenmill.models.dflash_config import DFlashSpec, LayerAttention
 from tokenmill.models.interface import ModelBuild, StepModel
 from tokenmill.models.llama import head_dim_of
 from tokenmill.models.weights import PackedModules, load_checkpoint
-from tokenmill.quantization.kv_scales import key_value_scales
 
 PACKED: PackedModules = {
     "k_proj": ("kv_proj", 0),
@@ -59,21 +57,16 @@ PACKED: PackedModules = {
 }
 
 
-class DFlashAttention(nn.Module):
+class DFlashAttention(PagedKVLayer):
     """The block's queries over the paged cache (a cache layer): q from the block rows, keys and
     values of the block rows and, written separately (`write_context`), of the context."""
 
     def __init__(self, build: ModelBuild, rotary: RotaryEmbedding, prefix: str, attention: LayerAttention) -> None:
         super().__init__()
         config, quant = build.hf_config, build.quant
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = head_dim_of(config)
+        self.init_paged_kv(build.attention_backend, build.cache_dtype(), build.block_size, config.num_attention_heads,
+                           config.num_key_value_heads, head_dim_of(config))
         kv = self.num_kv_heads * self.head_dim
-        self.kv_dtype = build.cache_dtype()
-        self.block_size = build.block_size
-        self.backend: AttentionBackend = build.attention_backend
-        self.backend.check_supported(self.num_heads, self.num_kv_heads, self.head_dim, torch.get_default_dtype(),
-                                     self.kv_dtype)
         bias = bool(getattr(config, "attention_bias", False))
         self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias,
                              method=quant.linear_method(f"{prefix}.q_proj"))
@@ -85,26 +78,6 @@ class DFlashAttention(nn.Module):
         self.rotary = rotary
         self.causal, self.window = attention.causal, attention.window
         self.scale = self.head_dim**-0.5
-        self.kv_cache = torch.empty(0)  # bound by the runner
-        self.k_scale = self.v_scale = 1.0
-        self.checkpoint_kv_scales: tuple[float, float] | None = None
-
-    @property
-    def kv_scales(self) -> tuple[float, float]:
-        return self.k_scale, self.v_scale
-
-    @kv_scales.setter
-    def kv_scales(self, scales: tuple[float, ...]) -> None:
-        self.k_scale, self.v_scale = scales
-
-    def scales_from_checkpoint(self, path: str, given: Mapping[str, float]) -> tuple[float, float]:
-        return key_value_scales(path, given)
-
-    def cache_spec(self) -> FullAttentionSpec:
-        return FullAttentionSpec(self.block_size, self.kv_dtype, self.num_kv_heads, self.head_dim)
-
-    def bind_cache(self, cache: torch.Tensor) -> None:
-        self.kv_cache = cache
 
     def _keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.kv_proj(x).split(self.kv_proj.output_sizes, dim=-1)

@@ -6,7 +6,7 @@ which load by shard (`PACKED`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -14,8 +14,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from tokenmill.errors import ConfigError
-from tokenmill.kv.specs import FullAttentionSpec
-from tokenmill.layers.attention import AttentionBackend, AttentionMetadata
+from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.layers.attention.paged_kv import PagedKVLayer
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.mlp import GatedMLP
 from tokenmill.layers.norm import RMSNorm
@@ -26,7 +26,6 @@ from tokenmill.models.interface import CausalLM, ModelBuild
 from tokenmill.models.weights import PackedModules, load_checkpoint
 from tokenmill.numerics import FP8_E4M3
 from tokenmill.quantization.base import embedding
-from tokenmill.quantization.kv_scales import key_value_scales
 
 # checkpoint projection -> (fused module, shard)
 PACKED: PackedModules = {
@@ -51,7 +50,7 @@ class Variant:
     o_bias: bool | None = None  # Qwen2: never; None = config.attention_bias
 
 
-class Attention(nn.Module):
+class Attention(PagedKVLayer):
     """GQA attention over a paged KV cache (a cache layer: it declares its spec and is bound its tensor).
     A subclass may widen the query projection (`query_outputs` per head: a gate beside the query)
     and choose the q/k norm (`qk_norm`)."""
@@ -62,16 +61,10 @@ class Attention(nn.Module):
     def __init__(self, build: ModelBuild, rotary: RotaryEmbedding, variant: Variant, prefix: str) -> None:
         super().__init__()
         config, quant = build.hf_config, build.quant
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = head_dim_of(config)
+        self.init_paged_kv(build.attention_backend, build.cache_dtype(), build.block_size, config.num_attention_heads,
+                           config.num_key_value_heads, head_dim_of(config))
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.kv_dtype = build.cache_dtype()
-        self.block_size = build.block_size
-        self.backend: AttentionBackend = build.attention_backend
-        self.backend.check_supported(self.num_heads, self.num_kv_heads, self.head_dim, torch.get_default_dtype(),
-                                     self.kv_dtype)
         bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = bias if variant.qkv_bias is None else variant.qkv_bias
         o_bias = bias if variant.o_bias is None else variant.o_bias
@@ -82,24 +75,6 @@ class Attention(nn.Module):
         self.k_norm = self.qk_norm(self.head_dim, config.rms_norm_eps, build.use_triton) if variant.qk_norm else None
         self.rotary = rotary
         self.scale = self.head_dim**-0.5
-        self.kv_cache = torch.empty(0)  # bound by the runner
-        self.k_scale = self.v_scale = 1.0  # FP8 KV scales (stored value = k / k_scale)
-        # (k_scale, v_scale) as the checkpoint gives them; the runner applies them to an FP8 cache only.
-        self.checkpoint_kv_scales: tuple[float, float] | None = None
-
-    @property
-    def kv_scales(self) -> tuple[float, float]:
-        return self.k_scale, self.v_scale
-
-    @kv_scales.setter
-    def kv_scales(self, scales: tuple[float, ...]) -> None:
-        self.k_scale, self.v_scale = scales
-
-    def scales_from_checkpoint(self, path: str, given: Mapping[str, float]) -> tuple[float, float]:
-        return key_value_scales(path, given)
-
-    def cache_spec(self) -> FullAttentionSpec:
-        return FullAttentionSpec(self.block_size, self.kv_dtype, self.num_kv_heads, self.head_dim)
 
     def launch_plan(self, metadata: AttentionMetadata) -> Hashable | None:
         """The attention launch plan of a step (None: the backend plans nothing on the host)."""
@@ -108,9 +83,6 @@ class Attention(nn.Module):
             return None
         return plan(metadata, sum(metadata.query_lens_host), self.num_heads, self.num_kv_heads, self.head_dim,
                     self.kv_cache.device, self.kv_dtype == FP8_E4M3)
-
-    def bind_cache(self, cache: torch.Tensor) -> None:
-        self.kv_cache = cache
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
