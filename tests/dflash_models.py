@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qw
 
 TARGET_CONFIGS: dict[str, PretrainedConfig] = {
     "llama": LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
+                         num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
                          tie_word_embeddings=False, bos_token_id=None, eos_token_id=None),
     "llama-v8": LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,

@@ -229,3 +229,21 @@ def test_speculation_turns_off_past_disable_by_batch_size(made: dict, caplog: py
     assert BatchSizeRule.of(config, SimpleNamespace(graphs=graphs)).limit == 32  # type: ignore[arg-type]
     assert BatchSizeRule.of(config, SimpleNamespace(graphs=[])).limit is None  # type: ignore[arg-type]
     assert BatchSizeRule(None).allows(10_000)
+
+
+def test_a_drafter_that_does_not_fit_is_refused_with_its_bytes(made: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the device's memory is known, the drafter's weights are sized before they are built
+    and refused when the device has no room left for them beside the target."""
+    from tokenmill.runner import memory
+
+    gib = 2**30
+    asked: list[str] = []
+
+    def device_memory(device: torch.device) -> tuple[int, int]:
+        asked.append(str(device))  # the target's check first, then the drafter's once the target holds most of it
+        return (8 * gib, 8 * gib) if len(asked) == 1 else (gib // 4, 8 * gib)
+
+    monkeypatch.setattr(memory, "device_memory", device_memory)
+    with pytest.raises(ConfigError, match=r"the DFlash drafter does not fit: its weights need 0\.00 GiB \([\d,]+ bytes\)"):
+        engine(made["target"], spec(made))
+    assert len(asked) >= 2

@@ -104,7 +104,7 @@ class DFlashDraft:
 
         extra = 0 if not own_copy else (len(self.vocab_ids) if self.vocab_ids is not None else vocab) * \
             int(self.hf_config.hidden_size) * self.dtype.itemsize
-        check_weights_fit(module_weight_bytes(make, self.dtype) + extra, self.config, self.device, "the DFlash drafter")
+        check_weights_fit(lambda: module_weight_bytes(make, self.dtype) + extra, self.config, self.device, "the DFlash drafter")
         self._model = build_head(make, self.source, dtype=self.dtype, device=self.device,
                                  dummy_seed=self.config.model.seed + 3 if self.dummy else None,
                                  before_processing=self._own_head if own_copy else None)
