@@ -186,7 +186,7 @@ class Bench:
         for kv_dtype, kv_name in KV_DTYPES:
             for depth in (0, s.depth):
                 qlens, slens = [s.prefill], [s.prefill + depth]
-                plan = self.plan(qlens, slens)
+                plan = self.plan(qlens, slens, fp8_kv=kv_dtype == FP8)
                 row = record("prefill", f"{kv_name} {s.prefill} @ d{depth}", self.attention(kv_dtype, qlens, slens, plan),
                              self.kv_bytes(slens, kv_dtype), self.flops(qlens, slens), plan=label(plan))
                 row["ratio"] = row["TFLOP/s"] / self.matmul_tflops
@@ -288,24 +288,45 @@ def sweep_short(bench: Bench) -> None:
 
 
 DEEP_CHUNKS = ((770, 260_000), (512, 260_000), (1700, 100_000), (2048, 100_000), (2048, 32768), (8192, 32768))
+# Tile shapes tried on pp2048 at 100k depth: (rows, keys, warps, stages).
+DEEP_TILES = ((128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3),
+              (256, 64, 8, 2), (256, 64, 8, 3), (128, 32, 4, 4))
 
 
 def sweep_deep_prefill(bench: Bench) -> None:
     """Prompt chunks at depth (the chunk sizes the scheduler's step-cost rule picks for the 8B shape,
     and pp2048's): the default plan (its split rule for a deep chunk whose grid fills the machine)
-    against forced split counts along the keys."""
+    against forced split counts along the keys; on pp2048 at 100k, tile shapes too, and torch's
+    SDPA over the same keys laid out contiguously (a FlashAttention-class peer)."""
     s = bench.s
-    chunks = DEEP_CHUNKS if s.device == "cuda" else ((24, 40),)
+    on_gpu = s.device == "cuda"
+    chunks = DEEP_CHUNKS if on_gpu else ((24, 40),)
+    tiled = (2048, 100_000) if on_gpu else (24, 40)
     for kv_dtype, kv_name in KV_DTYPES:
         for chunk, depth in chunks:
             qlens, slens = [chunk], [chunk + depth]
             inputs = bench.inputs(qlens, slens)
-            for splits in (None, 1, 2, 3, 4, 6, 8):
-                plan = bench.plan(qlens, slens, fp8_kv=kv_dtype == FP8, **({} if splits is None else {"num_splits": splits}))
+            variants: list[dict] = [{}] + [{"num_splits": n} for n in (1, 2, 3, 4, 6, 8)]
+            if on_gpu:  # the tiles every chunk took before the deep tiles (DEEP_TILES in kernels/attention.py)
+                variants += [dict(block_m=128, block_n=64, num_warps=8, num_stages=3, num_splits=n) for n in (1, 4, 8)]
+            if (chunk, depth) == tiled:
+                variants += [dict(block_m=m, block_n=n, num_warps=w, num_stages=st, num_splits=1)
+                             for m, n, w, st in (DEEP_TILES if on_gpu else ((32, 16, 4, 2),))]
+            for overrides in variants:
+                plan = bench.plan(qlens, slens, fp8_kv=kv_dtype == FP8, **overrides)
                 row = record("sweep deep prefill", f"{kv_name} {chunk} @ d{depth}", bench.attention(kv_dtype, qlens, slens,
                              plan, inputs), flops=bench.flops(qlens, slens),
-                             plan=label(plan) + (" (default)" if splits is None else ""))
+                             plan=label(plan) + (" (default)" if not overrides else ""))
                 row["ratio"] = row["TFLOP/s"] / bench.matmul_tflops
+    chunk, depth = tiled
+    q = torch.randn(1, s.heads, chunk, s.head_dim, dtype=torch.bfloat16, device=s.device)
+    k = torch.randn(1, s.kv_heads, chunk + depth, s.head_dim, dtype=torch.bfloat16, device=s.device)
+    # Every query sees every key: (chunk * depth + chunk^2) pairs, against the causal chunk's
+    # (chunk * depth + chunk^2 / 2); the figure counts the pairs SDPA computes.
+    seconds = bench.time(lambda: F.scaled_dot_product_attention(q, k, k, enable_gqa=True))
+    row = record("sweep deep prefill", f"peer: torch SDPA, contiguous {chunk} x {chunk + depth} keys", seconds,
+                 flops=4 * s.heads * s.head_dim * chunk * (chunk + depth))
+    row["ratio"] = row["TFLOP/s"] / bench.matmul_tflops
 
 
 def label(plan: AttentionPlan) -> str:

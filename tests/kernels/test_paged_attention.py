@@ -126,6 +126,9 @@ def test_mixed_batch_matches_reference(requests, heads, kv_heads, head_dim, dtyp
         on_gpu([(16, 16), (16, 4000), (16, 333)], None, FP8, False, 0, id="blocks-16-llama-fp8"),
         on_gpu([(16, 16), (16, 4000), (16, 333), (16, 32768)], None, None, False, 2048, id="blocks-16-window-2048"),
         on_gpu(LLAMA_MIXED, None, None, True, 1000, id="llama-mixed-causal-window-1000"),
+        # Prompt chunks past DEEP_TILE_KEYS take the deep tiles; these grids are short of the machine, so split too.
+        on_gpu([(770, 40000), (1, 30000), (37, 300)], None, FP8, True, 0, id="deep-chunk-fp8"),
+        on_gpu([(770, 40000), (1, 20000), (64, 17000)], None, None, True, 0, id="deep-chunk-bf16"),
     ],
 )
 def test_non_causal_and_windowed_attention_match_reference(requests, num_splits, kv_dtype, causal, window, device) -> None:
@@ -278,15 +281,29 @@ def test_h200_plans_split_deep_prompt_chunks_to_even_out_their_last_round(monkey
     monkeypatch.setattr(attention, "interpreting", lambda: False)
     monkeypatch.setattr(attention, "sm_count", lambda device: 132)
 
-    def splits(chunk: int, depth: int) -> tuple[int, int]:
+    def splits(chunk: int, depth: int, fp8: bool = True) -> tuple[int, int]:
         plan = plan_attention(num_tokens=chunk, num_requests=1, max_query_len=chunk, max_seq_len=depth + chunk,
-                              num_heads=32, num_kv_heads=8, head_dim=128, device=torch.device("cuda"), fp8_kv=True)
+                              num_heads=32, num_kv_heads=8, head_dim=128, device=torch.device("cuda"), fp8_kv=fp8,
+                              kv_itemsize=1 if fp8 else 2)
         return plan.num_tiles * 8, plan.num_splits
 
     assert splits(770, 260_000) == (200, 7)  # 2 rounds unsplit, 11 / 7 = 1.57 split
     assert splits(1700, 100_000) == (432, 3)  # 4 rounds against 10 / 3
     assert splits(2048, 100_000) == (520, 1)  # 3.94 of 4 rounds busy: not worth a merge
     assert splits(8192, 0) == (2056, 1) and splits(8192, 8192) == (2056, 1)  # shallow: never
+    # bf16 keys take 256-row tiles: half the programs, so a short grid is split to fill the machine
+    assert splits(770, 260_000, fp8=False) == (104, 5)  # 1 round of 104 / 132 busy, against 4 / 5
+    assert splits(2048, 100_000, fp8=False) == (264, 1)  # exactly 2 full rounds
+
+    def tiles(keys: int, itemsize: int, rows: int = 2048) -> tuple[int, int, int, int]:
+        plan = plan_attention(num_tokens=rows, num_requests=1, max_query_len=rows, max_seq_len=keys, num_heads=32,
+                              num_kv_heads=8, head_dim=128, device=torch.device("cuda"), fp8_kv=itemsize == 1,
+                              kv_itemsize=itemsize)
+        return plan.block_m, plan.block_n, plan.num_warps, plan.num_stages
+
+    assert tiles(100_000, 2) == (256, 64, 8, 4) and tiles(100_000, 1) == (128, 64, 4, 4)  # the deep tiles
+    # shallow chunks, float32 caches (four stages of 64 x 128 x 4 bytes overflow shared memory), verify rows
+    assert tiles(8192, 2) == tiles(100_000, 4) == (128, 64, 8, 3) and tiles(100_000, 2, rows=16)[2:] == (8, 3)
     assert attention.deep_prefill_splits(200, 132, 20_000, 1) == 1  # too few keys to split
     assert attention.deep_prefill_splits(200, 132, 260_000, 80 << 20) == 3  # 3 x 80 MiB of partials: the cap
 

@@ -37,6 +37,12 @@ PREFILL_MAX_SPLITS = 8
 PREFILL_PARTIAL_BYTES = 256 << 20
 PREFILL_SPLIT_GAIN = 0.9
 DEEP_CHUNK_ROWS = 64  # a prompt chunk; verify steps (1 + drafts rows) keep the decode rule
+# A prompt chunk over at least this many keys (head size 128, on a GPU) takes the deep tiles
+# below, from the pp2048-at-100k sweep in benchmarks/attention_bench.py --deep-prefill-sweep:
+# bf16 keys stream best under 256 rows of 8 warps, FP8 keys (widened per tile, so bound by
+# instructions) under 128 rows of 4 warps; both four stages deep.
+DEEP_TILE_KEYS = 16384
+DEEP_TILES = {False: (256, 64, 8, 4), True: (128, 64, 4, 4)}  # fp8 K/V -> (rows, keys, warps, stages)
 
 
 @dataclass(frozen=True)
@@ -68,9 +74,11 @@ def plan_attention(
     num_splits: int | None = None,
     min_split_tokens: int | None = None,
     fp8_kv: bool = False,
+    kv_itemsize: int = 2,
 ) -> AttentionPlan:
-    """Choose the launch. `num_splits` forces the split count; otherwise splits are added while
-    the grid is short of the waves above and each split keeps at least `min_split_tokens` keys
+    """Choose the launch (`kv_itemsize`: bytes per cached element; the deep tiles' four stages
+    fit in shared memory at 1 or 2). `num_splits` forces the split count; otherwise splits are
+    added while the grid is short of the waves above and each split keeps at least `min_split_tokens` keys
     of the longest request (on a GPU, no split up to SHORT_DECODE_KEYS keys). On device a split
     also takes at least `min_split_tokens` keys of its own request, so a plan made for long
     requests (a captured graph) wastes little on short ones."""
@@ -79,6 +87,8 @@ def plan_attention(
     big_head = head_dim > 128
     block_n = (32 if big_head else 64) if on_gpu else 16
     max_splits = MAX_SPLITS
+    deep_tiles = (on_gpu and head_dim == 128 and kv_itemsize <= 2
+                  and max_query_len >= DEEP_CHUNK_ROWS and max_seq_len >= DEEP_TILE_KEYS)
     if max_query_len <= 1:
         block_q = 1
         # From the batch-1 long-context sweep (benchmarks/attention_bench.py): bf16 is fastest with
@@ -93,29 +103,35 @@ def plan_attention(
             block_n = 128
     else:
         target_rows = (64 if big_head else 128) if on_gpu else 32
-        block_q = max(1, min(target_rows // group_p, next_pow2(max_query_len)))
         num_warps, num_stages = (8 if head_dim >= 128 else 4), (2 if big_head else 3)
+        if deep_tiles:
+            target_rows, block_n, num_warps, num_stages = DEEP_TILES[fp8_kv]
+        block_q = max(1, min(target_rows // group_p, next_pow2(max_query_len)))
     block_m = max(16, block_q * group_p)
     num_tiles = num_tokens if block_q == 1 else num_tokens // block_q + num_requests
 
     if min_split_tokens is None:
         min_split_tokens = MIN_SPLIT_KEYS if on_gpu else 2 * block_n
-    if num_splits is None:
-        programs = num_tiles * num_kv_heads
+    programs = num_tiles * num_kv_heads
+    partial_bytes = num_tokens * num_heads * head_dim * 4
+    if num_splits is None and deep_tiles:
+        num_splits = deep_prefill_splits(programs, sm_count(device), max_seq_len, partial_bytes)
+    elif num_splits is None:
         waves = DECODE_WAVES if block_q == 1 else PREFILL_WAVES
         wanted = -(-waves * sm_count(device) // programs)
         by_length = 1 if on_gpu and max_seq_len <= SHORT_DECODE_KEYS else -(-max_seq_len // min_split_tokens)
         num_splits = max(1, min(wanted, by_length, max_splits))
         if max_query_len >= DEEP_CHUNK_ROWS and num_splits == 1:
-            num_splits = deep_prefill_splits(programs, sm_count(device), max_seq_len, num_tokens * num_heads * head_dim * 4)
+            num_splits = deep_prefill_splits(programs, sm_count(device), max_seq_len, partial_bytes)
     min_split_tiles = max(1, min_split_tokens // block_n)
     return AttentionPlan(block_q, block_m, block_n, num_splits, min_split_tiles, num_warps, num_stages, num_tiles)
 
 
 def deep_prefill_splits(programs: int, slots: int, max_seq_len: int, partial_bytes_per_split: int) -> int:
-    """Splits along the keys for a prompt chunk whose `programs` already fill `slots` (the
-    multiprocessors): the count that most evens out the last round of programs, among those that
-    keep PREFILL_SPLIT_KEYS keys and PREFILL_PARTIAL_BYTES of partials, if it saves enough."""
+    """Splits along the keys for a prompt chunk of `programs` on `slots` (the multiprocessors):
+    the count that most evens out the rounds of programs (a grid short of the slots fills them; a
+    grid past them evens out its last round), among those that keep PREFILL_SPLIT_KEYS keys and
+    PREFILL_PARTIAL_BYTES of partials, if it saves enough."""
     def rounds(k: int) -> float:  # time in units of one unsplit program's run
         return -(-k * programs // slots) / k
 

@@ -56,7 +56,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def plan(
         self, metadata: AttentionMetadata, num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
-        device: torch.device, fp8_kv: bool = False,
+        device: torch.device, fp8_kv: bool = False, kv_itemsize: int = 2,
     ) -> AttentionPlan:
         """The launch plan for this batch, from host-side sizes only."""
         return self._attention.plan_attention(
@@ -71,6 +71,7 @@ class TritonAttentionBackend(AttentionBackend):
             num_splits=self.num_splits,
             min_split_tokens=self.min_split_tokens,
             fp8_kv=fp8_kv,
+            kv_itemsize=kv_itemsize,
         )
 
     def forward(
@@ -96,7 +97,8 @@ class TritonAttentionBackend(AttentionBackend):
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
                k_scale: float = 1.0, v_scale: float = 1.0, causal: bool = True, window: int = 0) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
-        plan = self.plan(metadata, num_tokens, num_heads, kv_cache.shape[3], head_dim, q.device, kv_cache.dtype == FP8_KV_DTYPE)
+        plan = self.plan(metadata, num_tokens, num_heads, kv_cache.shape[3], head_dim, q.device,
+                         kv_cache.dtype == FP8_KV_DTYPE, kv_cache.element_size())
         return self._attention.paged_attention(
             q,
             kv_cache[0],
