@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # On a CUDA machine: the GPU-marked tests, then the benchmarks. Output also goes to $OUT if set.
+# The Qwen4Exp references need transformers >= 5.24 (its indexed_attention layers): carry that wheel
+# to a machine with an older one.
 #   bash benchmarks/gpu_checks.sh [tests|attention|engine|quick|moe|moe-engine|mla|kimi|nvfp4|dflash]...   (default: tests attention engine)
 set -uo pipefail
 cd "$(dirname "$0")/.."
