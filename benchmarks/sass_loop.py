@@ -20,33 +20,20 @@ import sys
 import tempfile
 from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "0"
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
-
-import triton  # noqa: E402
-from sm90_compile import (  # noqa: E402
-    attention_variants,
-    compile_variant,
-    fp8_variants,
-    gdn_variants,
-    mla_variants,
-    moe_variants,
-    nvfp4_variants,
-    other_variants,
-    qsa_variants,
-)
-
-NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+KERNEL_TESTS = Path(__file__).resolve().parents[1] / "tests" / "kernels"
 LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
 LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 BRANCH = re.compile(r"BRA\s+`\((\.L_x_\d+)\)")
 
 
 def disassemble(kernel) -> str:
+    import triton
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
         cubin.flush()
-        return subprocess.run([NVDISASM, "-c", cubin.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([nvdisasm, "-c", cubin.name], capture_output=True, text=True, check=True).stdout
 
 
 def main_loop(sass: str) -> list[str]:
@@ -84,6 +71,20 @@ def main() -> None:
     parser.add_argument("labels", nargs="+", help="report the variants whose label contains any of these")
     parser.add_argument("--top", type=int, default=8, help="commonest opcodes to list per variant")
     args = parser.parse_args()
+    # sm90_compile compiles for sm_90 with the interpreter off (it sets TRITON_INTERPRET=0 as it loads)
+    sys.path.insert(0, str(KERNEL_TESTS))
+    from sm90_compile import (
+        attention_variants,
+        compile_variant,
+        fp8_variants,
+        gdn_variants,
+        mla_variants,
+        moe_variants,
+        nvfp4_variants,
+        other_variants,
+        qsa_variants,
+    )
+
     variants = [*attention_variants(), *other_variants(), *moe_variants(), *mla_variants(), *gdn_variants(),
                 *qsa_variants(), *fp8_variants(), *nvfp4_variants()]
     chosen = [v for v in variants if any(text in v[0] for text in args.labels)]
