@@ -142,13 +142,13 @@ class Bench:
         q = torch.randn(sum(query_lens), s.heads, s.head_dim, dtype=torch.bfloat16, device=s.device)
         return q, starts, lens, tables
 
-    def plan(self, query_lens: list[int], seq_lens: list[int], **overrides: int) -> AttentionPlan:
+    def plan(self, query_lens: list[int], seq_lens: list[int], **overrides: object) -> AttentionPlan:
         s = self.s
         plan = plan_attention(
             num_tokens=sum(query_lens), num_requests=len(seq_lens), max_query_len=max(query_lens),
             max_seq_len=max(seq_lens), num_heads=s.heads, num_kv_heads=s.kv_heads, head_dim=s.head_dim,
             device=torch.device(s.device), num_splits=overrides.pop("num_splits", None),
-            fp8_kv=overrides.pop("fp8_kv", False),
+            kv_dtype=overrides.pop("kv_dtype", torch.bfloat16),
         )
         if "block_n" in overrides:  # keep the fewest keys per split, whatever the tile
             overrides["min_split_tiles"] = max(1, plan.min_split_tiles * plan.block_n // overrides["block_n"])
@@ -176,7 +176,7 @@ class Bench:
             for batch in self.s.batches:
                 for ctx in self.s.contexts:
                     qlens, slens = [1] * batch, [ctx] * batch
-                    plan = self.plan(qlens, slens, fp8_kv=kv_dtype == FP8)
+                    plan = self.plan(qlens, slens, kv_dtype=kv_dtype)
                     row = record("decode", f"{kv_name} b{batch} ctx{ctx}", self.attention(kv_dtype, qlens, slens, plan),
                                  self.kv_bytes(slens, kv_dtype), self.flops(qlens, slens), plan=label(plan))
                     row["ratio"] = row["GB/s"] / self.copy_gbs
@@ -186,7 +186,7 @@ class Bench:
         for kv_dtype, kv_name in KV_DTYPES:
             for depth in (0, s.depth):
                 qlens, slens = [s.prefill], [s.prefill + depth]
-                plan = self.plan(qlens, slens, fp8_kv=kv_dtype == FP8)
+                plan = self.plan(qlens, slens, kv_dtype=kv_dtype)
                 row = record("prefill", f"{kv_name} {s.prefill} @ d{depth}", self.attention(kv_dtype, qlens, slens, plan),
                              self.kv_bytes(slens, kv_dtype), self.flops(qlens, slens), plan=label(plan))
                 row["ratio"] = row["TFLOP/s"] / self.matmul_tflops
@@ -278,7 +278,7 @@ def sweep_short(bench: Bench) -> None:
                        for n in (32, 64, 128) for w in (2, 4) for st in (1, 2, 3)]
             configs += [dict(block_n=n, num_splits=x) for n in (32, 64) for x in (2, 4)]
             for overrides in configs:
-                plan = bench.plan(qlens, slens, fp8_kv=kv_dtype == FP8, **overrides)
+                plan = bench.plan(qlens, slens, kv_dtype=kv_dtype, **overrides)
                 if plan.split:  # each split's fewest keys: what the sweep sets, not the 256-key default
                     plan = dataclasses.replace(plan, min_split_tiles=1)
                 seconds = bench.attention(kv_dtype, qlens, slens, plan, inputs)
@@ -313,7 +313,7 @@ def sweep_deep_prefill(bench: Bench) -> None:
                 variants += [dict(block_m=m, block_n=n, num_warps=w, num_stages=st, num_splits=1)
                              for m, n, w, st in (DEEP_TILES if on_gpu else ((32, 16, 4, 2),))]
             for overrides in variants:
-                plan = bench.plan(qlens, slens, fp8_kv=kv_dtype == FP8, **overrides)
+                plan = bench.plan(qlens, slens, kv_dtype=kv_dtype, **overrides)
                 row = record("sweep deep prefill", f"{kv_name} {chunk} @ d{depth}", bench.attention(kv_dtype, qlens, slens,
                              plan, inputs), flops=bench.flops(qlens, slens),
                              plan=label(plan) + (" (default)" if not overrides else ""))

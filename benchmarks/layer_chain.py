@@ -72,7 +72,7 @@ class Chain:
         self.cos, self.sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
         self.plan = plan_attention(num_tokens=1, num_requests=1, max_query_len=1, max_seq_len=context, num_heads=s.heads,
                                    num_kv_heads=s.kv_heads, head_dim=s.head_dim, device=torch.device(dev),
-                                   fp8_kv=kv_dtype != bf16)
+                                   kv_dtype=kv_dtype)
         self.x = torch.randn(1, s.hidden, device=dev, dtype=bf16)
 
     def step(self, pdl: bool) -> torch.Tensor:

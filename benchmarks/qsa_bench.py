@@ -87,7 +87,7 @@ def bench_case(s: Setup, batch: int, context: int, kv_dtype: torch.dtype, time_f
                               head_dim=s.head_dim, device=torch.device(dev))
     dense_plan = plan_attention(num_tokens=batch, num_requests=batch, max_query_len=1, max_seq_len=context,
                                 num_heads=s.heads, num_kv_heads=s.kv_heads, head_dim=s.head_dim, device=torch.device(dev),
-                                fp8_kv=kv_dtype == FP8)
+                                kv_dtype=kv_dtype)
     blocks = select_blocks(block_scores(q_index, index_cache, qsl, lens, tables, s.ratio, width), topk)
     sparse_out = torch.empty_like(q)
 

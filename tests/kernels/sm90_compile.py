@@ -78,7 +78,7 @@ def attention_variants():
                         num_tokens=max_q, num_requests=1, max_query_len=max_q, max_seq_len=32768,
                         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                         device=torch.device("cuda"), num_splits=8 if max_q == 1 else 1,
-                        fp8_kv=kv_dtype == torch.float8_e4m3fn, kv_itemsize=kv_dtype.itemsize,
+                        kv_dtype=kv_dtype,
                     )
                     group = heads // kv_heads
                     types = {

@@ -269,7 +269,7 @@ def test_deep_prompt_chunk_split_by_the_rule_matches_reference(monkeypatch: pyte
     kv = dtype if dtype == FP8 else None
     backend = check_attention(requests, 8, 2, 64, torch.bfloat16, "cpu", kv_dtype=kv, scales=(0.5, 0.25) if kv else (1.0, 1.0))
     md = paged_batch(requests, 16, "cpu").metadata
-    plan = backend.plan(md, 48, 8, 2, 64, torch.device("cpu"), fp8_kv=kv is not None)
+    plan = backend.plan(md, 48, 8, 2, 64, torch.device("cpu"), kv or torch.bfloat16)
     assert (plan.block_q, plan.num_tiles * 2, plan.num_splits) == (8, 14, 2)
 
 
@@ -283,8 +283,8 @@ def test_h200_plans_split_deep_prompt_chunks_to_even_out_their_last_round(monkey
 
     def splits(chunk: int, depth: int, fp8: bool = True) -> tuple[int, int]:
         plan = plan_attention(num_tokens=chunk, num_requests=1, max_query_len=chunk, max_seq_len=depth + chunk,
-                              num_heads=32, num_kv_heads=8, head_dim=128, device=torch.device("cuda"), fp8_kv=fp8,
-                              kv_itemsize=1 if fp8 else 2)
+                              num_heads=32, num_kv_heads=8, head_dim=128, device=torch.device("cuda"),
+                              kv_dtype=FP8 if fp8 else torch.bfloat16)
         return plan.num_tiles * 8, plan.num_splits
 
     assert splits(770, 260_000) == (200, 7)  # 2 rounds unsplit, 11 / 7 = 1.57 split
@@ -295,15 +295,15 @@ def test_h200_plans_split_deep_prompt_chunks_to_even_out_their_last_round(monkey
     assert splits(770, 260_000, fp8=False) == (104, 5)  # 1 round of 104 / 132 busy, against 4 / 5
     assert splits(2048, 100_000, fp8=False) == (264, 1)  # exactly 2 full rounds
 
-    def tiles(keys: int, itemsize: int, rows: int = 2048) -> tuple[int, int, int, int]:
+    def tiles(keys: int, kv_dtype: torch.dtype, rows: int = 2048) -> tuple[int, int, int, int]:
         plan = plan_attention(num_tokens=rows, num_requests=1, max_query_len=rows, max_seq_len=keys, num_heads=32,
-                              num_kv_heads=8, head_dim=128, device=torch.device("cuda"), fp8_kv=itemsize == 1,
-                              kv_itemsize=itemsize)
+                              num_kv_heads=8, head_dim=128, device=torch.device("cuda"), kv_dtype=kv_dtype)
         return plan.block_m, plan.block_n, plan.num_warps, plan.num_stages
 
-    assert tiles(100_000, 2) == (256, 64, 8, 4) and tiles(100_000, 1) == (128, 64, 4, 4)  # the deep tiles
+    bf16 = torch.bfloat16
+    assert tiles(100_000, bf16) == (256, 64, 8, 4) and tiles(100_000, FP8) == (128, 64, 4, 4)  # the deep tiles
     # shallow chunks, float32 caches (four stages of 64 x 128 x 4 bytes overflow shared memory), verify rows
-    assert tiles(8192, 2) == tiles(100_000, 4) == (128, 64, 8, 3) and tiles(100_000, 2, rows=16)[2:] == (8, 3)
+    assert tiles(8192, bf16) == tiles(100_000, torch.float32) == (128, 64, 8, 3) and tiles(100_000, bf16, rows=16)[2:] == (8, 3)
     assert attention.deep_prefill_splits(200, 132, 20_000, 1) == 1  # too few keys to split
     assert attention.deep_prefill_splits(200, 132, 260_000, 80 << 20) == 3  # 3 x 80 MiB of partials: the cap
 

@@ -29,7 +29,7 @@ def llama_8b_plan(fp8: bool):
         return kernels.plan_attention(
             num_tokens=sum(metadata.query_lens_host), num_requests=metadata.num_requests,
             max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len, num_heads=32, num_kv_heads=8,
-            head_dim=128, device=torch.device("cuda"), fp8_kv=fp8)
+            head_dim=128, device=torch.device("cuda"), kv_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
     return key
 
 

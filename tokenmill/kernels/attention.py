@@ -73,12 +73,11 @@ def plan_attention(
     device: torch.device,
     num_splits: int | None = None,
     min_split_tokens: int | None = None,
-    fp8_kv: bool = False,
-    kv_itemsize: int = 2,
+    kv_dtype: torch.dtype = torch.bfloat16,
 ) -> AttentionPlan:
-    """Choose the launch (`kv_itemsize`: bytes per cached element; the deep tiles' four stages
-    fit in shared memory at 1 or 2). `num_splits` forces the split count; otherwise splits are
-    added while the grid is short of the waves above and each split keeps at least `min_split_tokens` keys
+    """Choose the launch for a cache of `kv_dtype` (FP8 tiles differ; the deep tiles' four stages
+    fit in shared memory at 1 or 2 bytes an element). `num_splits` forces the split count; otherwise
+    splits are added while the grid is short of the waves above and each split keeps at least `min_split_tokens` keys
     of the longest request (on a GPU, no split up to SHORT_DECODE_KEYS keys). On device a split
     also takes at least `min_split_tokens` keys of its own request, so a plan made for long
     requests (a captured graph) wastes little on short ones."""
@@ -87,7 +86,8 @@ def plan_attention(
     big_head = head_dim > 128
     block_n = (32 if big_head else 64) if on_gpu else 16
     max_splits = MAX_SPLITS
-    deep_tiles = (on_gpu and head_dim == 128 and kv_itemsize <= 2
+    fp8_kv = kv_dtype == FP8_DTYPE
+    deep_tiles = (on_gpu and head_dim == 128 and kv_dtype.itemsize <= 2
                   and max_query_len >= DEEP_CHUNK_ROWS and max_seq_len >= DEEP_TILE_KEYS)
     if max_query_len <= 1:
         block_q = 1

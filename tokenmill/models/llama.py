@@ -24,7 +24,6 @@ from tokenmill.layers.steering import ResidualSteering, SteeringStep, residual_a
 from tokenmill.layers.step_context import StepContext
 from tokenmill.models.interface import CausalLM, ModelBuild
 from tokenmill.models.weights import PackedModules, load_checkpoint
-from tokenmill.numerics import FP8_E4M3
 from tokenmill.quantization.base import embedding
 
 # checkpoint projection -> (fused module, shard)
@@ -82,7 +81,7 @@ class Attention(PagedKVLayer):
         if plan is None:
             return None
         return plan(metadata, sum(metadata.query_lens_host), self.num_heads, self.num_kv_heads, self.head_dim,
-                    self.kv_cache.device, self.kv_dtype == FP8_E4M3)
+                    self.kv_cache.device, self.kv_dtype)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)

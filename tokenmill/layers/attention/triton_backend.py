@@ -56,7 +56,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def plan(
         self, metadata: AttentionMetadata, num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
-        device: torch.device, fp8_kv: bool = False, kv_itemsize: int = 2,
+        device: torch.device, kv_dtype: torch.dtype = torch.bfloat16,
     ) -> AttentionPlan:
         """The launch plan for this batch, from host-side sizes only."""
         return self._attention.plan_attention(
@@ -70,8 +70,7 @@ class TritonAttentionBackend(AttentionBackend):
             device=device,
             num_splits=self.num_splits,
             min_split_tokens=self.min_split_tokens,
-            fp8_kv=fp8_kv,
-            kv_itemsize=kv_itemsize,
+            kv_dtype=kv_dtype,
         )
 
     def forward(
@@ -97,8 +96,7 @@ class TritonAttentionBackend(AttentionBackend):
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
                k_scale: float = 1.0, v_scale: float = 1.0, causal: bool = True, window: int = 0) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
-        plan = self.plan(metadata, num_tokens, num_heads, kv_cache.shape[3], head_dim, q.device,
-                         kv_cache.dtype == FP8_KV_DTYPE, kv_cache.element_size())
+        plan = self.plan(metadata, num_tokens, num_heads, kv_cache.shape[3], head_dim, q.device, kv_cache.dtype)
         return self._attention.paged_attention(
             q,
             kv_cache[0],
