@@ -129,6 +129,11 @@ class Nvfp4Rounding(GroupRounding):
         return {BLOCK_SCALE: self.scales}
 
 
+def weight_global_scale(weight: torch.Tensor, calibration: Calibration) -> torch.Tensor:
+    """weight_scale_2: over the fused group's weight_amax where calibration gives one, else the weight's own."""
+    return nvfp4_global_scale(calibration.get("weight_amax", weight.abs().amax()))
+
+
 class Nvfp4Encoder(CheckpointEncoder):
     """ModelOpt NVFP4: weight_scale_2 = amax / (6 * 448) over the layer (or its fused group: the
     calibration's weight_amax), E4M3 scales per 16, static input scale input_amax / (6 * 448)."""
@@ -138,14 +143,13 @@ class Nvfp4Encoder(CheckpointEncoder):
     column_group = NVFP4_GROUP
 
     def encode(self, name: str, weight: torch.Tensor, calibration: Calibration) -> dict[str, torch.Tensor]:
-        global_scale = nvfp4_global_scale(calibration.get("weight_amax", weight.abs().amax()))
+        global_scale = weight_global_scale(weight, calibration)
         packed, scale = quantize_nvfp4(weight, global_scale, calibration.get(BLOCK_SCALE))
         return {"weight": packed, "weight_scale": scale, "weight_scale_2": global_scale,
                 "input_scale": nvfp4_global_scale(calibration["input_amax"])}
 
     def group_rounding(self, weight: torch.Tensor, calibration: Calibration) -> Nvfp4Rounding:
-        global_scale = nvfp4_global_scale(calibration.get("weight_amax", weight.abs().amax()))
-        return Nvfp4Rounding(weight.shape[0], weight.shape[1], global_scale)
+        return Nvfp4Rounding(weight.shape[0], weight.shape[1], weight_global_scale(weight, calibration))
 
     def layer_entry(self) -> dict[str, Any]:
         return {"quant_algo": self.quant_algo, "group_size": NVFP4_GROUP}
