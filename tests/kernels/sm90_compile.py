@@ -50,6 +50,8 @@ ROW_SCALES = dict(SCALE_ROWS=1, SCALE_COLS=0, E8M0=False)  # a scale per row of 
 MAX_SHARED = 232448  # bytes of shared memory one sm_90 block may use
 # Kernels that must round every bf16 product as PyTorch does: no fused multiply-add in their code.
 ROUNDED = (_rotary_kernel, _rotary_cache_kernel)
+# Integer arguments every launch passes as multiples of 16 (Triton specialises those as divisible).
+ALIGNED_INTS = ("k_per_split",)
 TL = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv"}
 
 
@@ -60,7 +62,7 @@ def compile_variant(fn, types: dict[str, str], consts: dict[str, object], num_wa
     aligned = {
         (i,): [["tt.divisibility", 16]]
         for i, n in enumerate(fn.arg_names)
-        if n not in consts and (sig[n].startswith("*") or n.startswith("stride"))
+        if n not in consts and (sig[n].startswith("*") or n.startswith("stride") or n in ALIGNED_INTS)
     }
     src = ASTSource(fn, sig, constexprs=consts, attrs=aligned)
     options = {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": fusion}

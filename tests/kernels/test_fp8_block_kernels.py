@@ -105,15 +105,17 @@ def test_w8a8_block_gemm_matches_its_reference(rows: int, n: int, k: int, device
 @pytest.mark.parametrize("rows", [1, 12, 20])
 @pytest.mark.parametrize("prefill,block", [("w8a8-rows", (1, 0)), ("w8a8-blocks", (128, 128)), ("w8a16", (1, 32))])
 def test_scaled_fp8_linear_takes_every_path(rows: int, prefill: str, block) -> None:
-    """Few rows stream the weight (weight-only); more rows go W8A8 with 128-column activation
-    groups for block FP8 (the interpreter has no _scaled_mm: per-row FP8 and MX stay weight-only)."""
+    """One row streams the weight (weight-only); 2-16 rows of the W8A8 layouts go through the
+    few-row W8A8 kernel (x per token, or per 128 columns for blocks), MX's through the weight-only
+    few-row kernel; more rows go W8A8 with 128-column activation groups for block FP8 (the
+    interpreter has no _scaled_mm: per-row FP8 past 16 rows and MX stay weight-only)."""
     torch.manual_seed(3)
     weight, scale = scaled_weight(48, 256, block, "cpu")
     if block == (1, 0):
         scale = scale.view(-1, 1)
     x = torch.randn(rows, 256, dtype=torch.bfloat16)
     actual = scaled_fp8_linear(x, weight, scale, block, None, prefill)
-    if rows > 16 and prefill == "w8a8-blocks":
+    if (rows > 16 and prefill == "w8a8-blocks") or (1 < rows <= 16 and prefill != "w8a16"):
         expected = w8a8_ref(x, weight, scale, block)
     else:
         expected = gemv_ref(x, weight, None, scale.view(-1) if block == (1, 0) else scale,

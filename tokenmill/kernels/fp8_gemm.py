@@ -1,10 +1,14 @@
 """FP8 weights with block scales, multiplied on CUDA: the one entry point of every FP8-element
 checkpoint format's linear layers (`scaled_fp8_linear`), and its W8A8 prefill kernels.
 
-Up to MAX_ROWS rows of x stream the weight through the FMA kernel (gemv.py), up to MMA_ROWS
-through the tensor-core few-row kernel (few_row_mma.py): weight-only, bound by the bytes of the
-weight. More rows are compute-bound and multiply on FP8 tensor cores (W8A8), x quantized on the
-fly to E4M3 with scale amax / 448 (`quantize_activations`):
+One row of x (decode at batch 1) streams the weight through the FMA kernel (gemv.py), weight-only:
+x unquantized, and faster there than any W8A8 kernel measured (benchmarks/RESULTS.md). The
+layouts whose prefill is W8A8 multiply 2 to 16 rows (verify steps, small batches, a drafter's
+block) in the few-row W8A8 kernel (w8a8_few_row.py), x quantized in the kernel as the prefill
+quantizes it; the MX layout (weight-only) takes up to MAX_ROWS rows through the FMA kernel and
+up to MMA_ROWS through the tensor-core few-row kernel (few_row_mma.py). More rows are
+compute-bound and multiply on FP8 tensor cores (W8A8), x quantized on the fly to E4M3 with scale
+amax / 448 (`quantize_activations`):
 
 - one scale per row of W (per tensor or channel): x per token, `torch._scaled_mm` with row-wise
   scales (a = x [M, K], b = W^T column-major, scale_a [M, 1], scale_b [1, N]);
@@ -25,9 +29,11 @@ import triton.language as tl
 from tokenmill.kernels._common import E4M3_MAX, FP8_E4M3_MAX, interpreting, round_to_e4m3_grid
 from tokenmill.kernels.few_row_mma import MMA_ROWS, few_row_mma, fp8_linear
 from tokenmill.kernels.gemv import MAX_ROWS, gemv
+from tokenmill.kernels.w8a8_few_row import GROUP, w8a8_few_row
+from tokenmill.kernels.w8a8_few_row import MMA_ROWS as W8A8_ROWS
 from tokenmill.numerics import FP8_E4M3, ScaleBlock, dequantize_blocks
 
-GROUP = 128  # the block FP8 scale group along K (weights and activations)
+W8A8_PATHS = ("w8a8-rows", "w8a8-blocks")  # the prefill paths whose layouts multiply few rows W8A8 too
 
 
 @triton.jit
@@ -174,6 +180,9 @@ def scaled_fp8_linear(
     scales = scale.view(-1) if per_row else scale
     scale_block = None if per_row else block
     rows = x.shape[0]
+    w8a8 = prefill in W8A8_PATHS and x.dtype != torch.float32 and (per_row or block[1] == GROUP)
+    if 1 < rows <= W8A8_ROWS and w8a8:
+        return w8a8_few_row(x, weight, scales, None if per_row else block[0], bias)
     if rows <= MAX_ROWS:
         return gemv(x, weight, bias, weight_scale=scales, scale_block=scale_block)
     if rows <= MMA_ROWS:

@@ -9,12 +9,13 @@ Fused projections (q/k/v, gate/up) load shard by shard and stay exact when their
 differ: per-tensor scales become one scale per output row, and 128-row block scales stay 128-row
 blocks only when every shard starts on a block row (else one scale row per weight row).
 
-On CUDA: up to MAX_ROWS rows of x go through the FMA kernel and up to MMA_ROWS through the
-tensor-core few-row kernel, both streaming FP8 with its scales (weight-only); more rows through
-the layout's prefill: W8A8 with activations quantized per token (`torch._scaled_mm`) or per
-128-column group (a Triton block-scaled GEMM), or, for MX scales (Hopper has no MX MMA), the
-tensor-core kernel over any rows with the weight dequantized in registers. Elsewhere the
-weight is dequantized a slab of rows at a time and multiplied by torch.
+On CUDA (kernels/fp8_gemm.py): one row of x goes through the FMA kernel, weight-only; 2 to 16
+rows, where the layout's prefill is W8A8, through the few-row W8A8 kernel (x quantized in the
+kernel as the prefill quantizes it), else through the weight-only few-row kernels; more rows
+through the layout's prefill: W8A8 with activations quantized per token (`torch._scaled_mm`) or
+per 128-column group (a Triton block-scaled GEMM), or, for MX scales (Hopper has no MX MMA), the
+tensor-core kernel over any rows with the weight dequantized in registers. Elsewhere the weight
+is dequantized a slab of rows at a time and multiplied by torch.
 """
 
 from __future__ import annotations
