@@ -112,16 +112,20 @@ def test_linear_dispatch_gives_torch_result(
     """Up to FMA_ROWS rows (FP8 weights: MAX_ROWS) go through the FMA kernel; unquantized weights
     up to MMA_ROWS through the tensor-core one where it suits the shape (not rows more than twice
     as long as there are rows), more through torch; FP8 weights past MAX_ROWS through the
-    tensor-core kernel, any number of rows: all equal F.linear on the real weight."""
+    tensor-core kernel, any number of rows (float32 x: never W8A8): all equal F.linear on the
+    real weight."""
     import tokenmill.kernels.few_row_mma as mma_module
+    import tokenmill.kernels.fp8_gemm as fp8_module
     import tokenmill.kernels.gemv as fma_module
 
     calls = []
-    monkeypatch.setattr(fma_module, "gemv", lambda *args, **kwargs: calls.append("fma") or gemv(*args, **kwargs))
-    monkeypatch.setattr(mma_module, "few_row_mma",
-                        lambda *args, **kwargs: calls.append("mma") or few_row_mma(*args, **kwargs))
-    monkeypatch.setattr(mma_module, "fp8_linear",
-                        lambda *args, **kwargs: calls.append("mma") or fp8_linear(*args, **kwargs))
+    for module in (fma_module, fp8_module):  # FP8 layers dispatch through fp8_gemm.scaled_fp8_linear
+        monkeypatch.setattr(module, "gemv", lambda *args, **kwargs: calls.append("fma") or gemv(*args, **kwargs))
+    for module in (mma_module, fp8_module):
+        monkeypatch.setattr(module, "few_row_mma",
+                            lambda *args, **kwargs: calls.append("mma") or few_row_mma(*args, **kwargs))
+        monkeypatch.setattr(module, "fp8_linear",
+                            lambda *args, **kwargs: calls.append("mma") or fp8_linear(*args, **kwargs))
     torch.manual_seed(1)
     layer = Linear(in_features, 24, bias=True, method=UnquantizedLinearMethod(use_triton=True))
     if fp8:

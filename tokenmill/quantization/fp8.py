@@ -1,11 +1,12 @@
-"""FP8 E4M3 weights with one float32 scale per output row (weight-only: x stays in its dtype).
+"""FP8 E4M3 weights with one float32 scale per output row.
 
 Row n of the real weight = weight[n] * weight_scale[n]. `Fp8OnLoad` quantizes a high-precision
 checkpoint as it loads (a draft model's `quantization: fp8`), routed experts too (each expert's
-gate, up and down rows their own scales). On CUDA the few-row kernels read the FP8 bytes for any
-number of rows (the FMA kernel up to its MAX_ROWS, the tensor-core kernel past them), and the
-MoE kernels the FP8 experts with their row scales; elsewhere the weight is widened for the call
-a slab of rows (or one expert) at a time.
+gate, up and down rows their own scales). On CUDA the linear layers multiply as an FP8 checkpoint
+with per-row scales does (kernels/fp8_gemm.py, prefill "w8a8-rows"): one row weight-only, more
+rows W8A8 with x quantized per token; the MoE kernels read the FP8 experts with their row scales
+(weight-only). Elsewhere the weight is widened for the call a slab of rows (or one expert) at a
+time.
 """
 
 from __future__ import annotations
@@ -48,13 +49,10 @@ class Fp8RowLinearMethod(UnquantizedLinearMethod):
         if layer.weight.dtype != FP8_E4M3:  # not processed yet
             return super().apply(layer, x)
         if self.use_triton and x.dim() == 2 and x.is_contiguous():
-            from tokenmill.kernels.few_row_mma import fp8_linear
-            from tokenmill.kernels.gemv import MAX_ROWS, gemv
+            from tokenmill.kernels.fp8_gemm import scaled_fp8_linear
 
-            if x.shape[0] <= MAX_ROWS:
-                return gemv(x, layer.weight, layer.bias, weight_scale=layer.weight_scale)
-            return fp8_linear(x, layer.weight, layer.bias, weight_scale=layer.weight_scale)
-        return dequantized_linear(x, layer.weight, layer.weight_scale[:, None], (1, 0), layer.bias)
+            return scaled_fp8_linear(x, layer.weight, layer.weight_scale, ROWS, layer.bias, "w8a8-rows")
+        return dequantized_linear(x, layer.weight, layer.weight_scale[:, None], ROWS, layer.bias)
 
     def dequantized_weight(self, layer: LinearLayer) -> torch.Tensor:
         if layer.weight.dtype != FP8_E4M3:
