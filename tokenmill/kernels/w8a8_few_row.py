@@ -10,8 +10,9 @@ a verify step, a drafter's block), W [N, K] FP8 E4M3 with one float32 scale per 
 Each program owns BLOCK_N rows of W and walks K in strips, W_strip @ q^T ([BLOCK_N, BLOCK_K] @
 [BLOCK_K, 16], x's rows padded with zeros to the MMA's 16). The weight reaches the MMA as its
 bytes, never widened in registers (what bounds the weight-only kernels, gemv.py and
-few_row_mma.py, on FP8). With one row of x (decode at batch 1) x is read and quantized as a
-vector, then spread to the MMA's 16 columns, so the padding costs no loads.
+few_row_mma.py, on FP8). With one row of x, x is read and quantized as a vector, then spread to
+the MMA's 16 columns, so the padding costs no loads (the engine keeps one row on gemv, faster
+there: benchmarks/RESULTS.md).
 
 The quantization is the prefill's (fp8_gemm.quantize_activations): q = clamp(x / s, +-448) cast
 to E4M3, s = amax / 448 (1.0 for an all-zero row or group).
@@ -41,8 +42,9 @@ GROUP = 128  # the block FP8 scale group along K (weights and activations)
 
 
 def w8a8_few_row_tile(n: int, k: int, blocks: bool) -> GemvTile:
-    """(BLOCK_N, BLOCK_K, warps, stages): 64-row programs (a warpgroup's MMA) where N gives enough
-    of them, else 32; the block layout's strips are its 128-column groups."""
+    """(BLOCK_N, BLOCK_K, warps, stages): 128-row programs, 256-column strips, the best of a sweep
+    at 4 and 16 rows (benchmarks/RESULTS.md); the block layout's strips are its 128-column groups.
+    Where N gives few programs, split-K (w8a8_splits) fills the machine."""
     if interpreting():
         return GemvTile(16, 32 if not blocks else GROUP, 1, 1)
     return GemvTile(128, GROUP if blocks else 256, 4, 4)
@@ -186,7 +188,8 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """Zeroed int32 counters, one per output tile, that every split-K launch leaves zeroed: kept per
     device (made outside graph capture, so a captured launch reuses them); inside a capture that has
-    none large enough, fresh ones (a memset in the graph)."""
+    none large enough, fresh ones (a memset in the graph). Shared by every launch on the device,
+    which the engine issues on one stream at a time."""
     counters = _COUNTERS.get(device)
     if counters is None or counters.numel() < tiles:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
